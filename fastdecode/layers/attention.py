@@ -1,0 +1,64 @@
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from fastdecode.config import ModelConfig
+from fastdecode.layers.norm import RMSNorm
+from fastdecode.layers.rotary import apply_rotary
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values for one layer: (B, kv_heads, max_seq_len, head_dim)."""
+
+    def __init__(self, batch: int, kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        shape = (batch, kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor, kv_start: int):
+        """Writes k, v (B, kv_heads, T, head_dim) at positions start.. and returns the visible span kv_start..end."""
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, kv_start:end], self.v[:, :, kv_start:end]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.attention_scale
+        self.sliding = config.is_sliding(layer)
+        self.window = config.sliding_window if self.sliding else None
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        # q, k and v projections packed into one matmul (the loader concatenates their rows).
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, start: int, rope: torch.Tensor, mask: torch.Tensor | None,
+                kv_start: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope[0, start:start + T], rope[1, start:start + T]  # (T, head_dim)
+        q = apply_rotary(q.transpose(1, 2), cos, sin).to(v.dtype)  # (B, heads, T, head_dim)
+        k = apply_rotary(k.transpose(1, 2), cos, sin).to(v.dtype)
+        k, v = self.kv_cache.update(start, k, v, kv_start)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))

@@ -1,0 +1,58 @@
+"""Model loading: a registered name or a path (GGUF file or Hugging Face directory) -> built model."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastdecode.errors import ModelFileError
+from fastdecode.models import model_class
+
+
+def load_model(path, dtype: torch.dtype = torch.float32, progress=None):
+    """Builds the model from a GGUF file or a Hugging Face directory; weights held in `dtype`."""
+    from fastdecode.loading.gguf_loader import load_gguf
+    from fastdecode.loading.hf_loader import load_hf_dir
+
+    path = Path(path)
+    freq_factors = None
+    if path.is_dir():
+        config, weights = load_hf_dir(path, dtype, progress)
+    elif path.is_file():
+        config, weights, freq_factors, _ = load_gguf(path, dtype, progress)
+    else:
+        raise ModelFileError(f"model path {path} does not exist")
+    with skip_init(dtype):
+        model = model_class(config.family)(config)
+    try:
+        model.load_weights(weights)
+    except ValueError as e:
+        raise ModelFileError(f"{path}: {e}") from None
+    model.rope_freq_factors = freq_factors
+    return model.eval()
+
+
+@contextmanager
+def skip_init(dtype: torch.dtype):
+    """Allocates parameters uninitialised in `dtype`: every weight is overwritten by the checkpoint anyway, and
+    random init of a large vocabulary costs seconds."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters, torch.get_default_dtype()
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters, default = saved
+        torch.set_default_dtype(default)
+
+
+def load_tokenizer(path):
+    from fastdecode.loading.gguf_file import GGUFFile
+    from fastdecode.loading.tokenizer import Tokenizer
+
+    path = Path(path)
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    return Tokenizer.from_gguf(GGUFFile(path).metadata)

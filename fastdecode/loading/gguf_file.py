@@ -1,0 +1,116 @@
+"""GGUF container: header, metadata and tensor table, with tensor data memory-mapped.
+
+gguf.GGUFReader builds a numpy view per array element, which takes ~19 s on Gemma 3's 262k-token vocabulary;
+this reader parses the same header with struct in well under a second and leaves dequantization to `gguf`.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from fastdecode.errors import ModelFileError, UnsupportedModelError
+
+GGUF_MAGIC = b"GGUF"
+# GGUF metadata value types (gguf.GGUFValueType): id -> struct format for scalars.
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+               7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+STRING, ARRAY = 8, 9
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # PyTorch order (rows first); GGUF stores the reverse
+    type: GGMLQuantizationType
+    data: np.ndarray  # raw bytes (uint8) or values, memory-mapped
+
+
+class GGUFFile:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self.mm = np.memmap(self.path, mode="r")
+            self.buf = memoryview(self.mm)  # slicing a memoryview is far cheaper than slicing a memmap
+        except (OSError, ValueError) as e:
+            raise ModelFileError(f"cannot read GGUF file {self.path}: {e}") from None
+        self.pos = 0
+        try:
+            self.metadata, self.tensors = self._parse()
+        except (struct.error, IndexError, UnicodeDecodeError, ValueError) as e:
+            raise ModelFileError(f"{self.path} is not a valid GGUF file (truncated or corrupt: {e})") from None
+
+    # ---- primitive readers -------------------------------------------------------------------------------------
+    def _unpack(self, fmt: str):
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.mm):
+            raise ValueError("unexpected end of file")
+        value = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value[0]
+
+    def _string(self) -> str:
+        n = self._unpack("<Q")
+        if self.pos + n > len(self.mm):
+            raise ValueError("unexpected end of file")
+        s = str(self.buf[self.pos:self.pos + n], "utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def _value(self, vtype: int):
+        if vtype in SCALARS:
+            return self._unpack(SCALARS[vtype])
+        if vtype == STRING:
+            return self._string()
+        if vtype == ARRAY:
+            etype, n = self._unpack("<I"), self._unpack("<Q")
+            if etype in NUMPY_TYPES:  # numeric arrays: one vectorised read
+                dt = np.dtype(NUMPY_TYPES[etype])
+                end = self.pos + n * dt.itemsize
+                if end > len(self.mm):
+                    raise ValueError("unexpected end of file")
+                arr = np.frombuffer(self.buf, dtype=dt, count=n, offset=self.pos)
+                self.pos = end
+                return arr.tolist()
+            return [self._value(etype) for _ in range(n)]
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+    # ---- file structure ----------------------------------------------------------------------------------------
+    def _parse(self):
+        if bytes(self.buf[:4]) != GGUF_MAGIC:
+            raise ValueError("missing GGUF magic")
+        self.pos = 4
+        version = self._unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported")
+        n_tensors, n_kv = self._unpack("<Q"), self._unpack("<Q")
+        metadata = {}
+        for _ in range(n_kv):
+            key = self._string()
+            metadata[key] = self._value(self._unpack("<I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            dims = [self._unpack("<Q") for _ in range(self._unpack("<I"))]
+            raw_type, offset = self._unpack("<I"), self._unpack("<Q")
+            infos.append((name, dims, raw_type, offset))
+        alignment = metadata.get("general.alignment", 32)
+        data_start = (self.pos + alignment - 1) // alignment * alignment
+        tensors = {}
+        for name, dims, raw_type, offset in infos:
+            try:
+                qtype = GGMLQuantizationType(raw_type)
+            except ValueError:
+                raise UnsupportedModelError(f"tensor {name} has unknown GGML type {raw_type}") from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            n_elements = int(np.prod(dims))
+            n_bytes = n_elements // block * type_size
+            start = data_start + offset
+            if start + n_bytes > len(self.mm):
+                raise ValueError(f"tensor {name} runs past the end of the file")
+            tensors[name] = GGUFTensor(name, tuple(reversed(dims)), qtype, self.mm[start:start + n_bytes])
+        return metadata, tensors

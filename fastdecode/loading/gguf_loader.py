@@ -1,0 +1,82 @@
+"""GGUF checkpoint -> ModelConfig and Hugging Face-named float tensors (dequantized with the `gguf` package)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from fastdecode.config import ModelConfig
+from fastdecode.errors import ModelFileError, UnsupportedModelError
+from fastdecode.loading.gguf_file import GGUFFile
+
+# Types gguf can dequantize and we have checked against transformers; others are refused with a clear message.
+SUPPORTED_TYPES = {getattr(GGMLQuantizationType, n) for n in (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+
+GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                "output.weight": "lm_head.weight"}
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "ffn_norm": "post_attention_layernorm",
+}
+GEMMA3_BLOCK_NAMES = {**BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def hf_name(gguf_name: str, family: str) -> str | None:
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")  # blk.{i}.{name}.{weight|bias}
+    if len(parts) != 4 or parts[0] != "blk":
+        return None
+    names = GEMMA3_BLOCK_NAMES if family == "gemma3" else BLOCK_NAMES
+    if parts[2] not in names:
+        return None
+    return f"layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's convert-time q/k row permutation (interleaved rotary pairs -> half-split)."""
+    shape = w.shape
+    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def dequantize_tensor(t) -> np.ndarray:
+    if t.type not in SUPPORTED_TYPES:
+        raise UnsupportedModelError(f"tensor {t.name} has GGML type {t.type.name}, which fastdecode does not load")
+    if t.type == GGMLQuantizationType.F32:
+        return np.asarray(t.data).view(np.float32).reshape(t.shape)
+    return dequantize(np.asarray(t.data), t.type).reshape(t.shape)
+
+
+def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
+    """Returns (config, weights, rope_freq_factors, gguf_file). `progress` wraps an iterable, e.g. rich's track."""
+    f = GGUFFile(path)
+    config = ModelConfig.from_gguf(f.metadata)
+    config.tie_word_embeddings = "output.weight" not in f.tensors
+    tensors = list(f.tensors.values())
+    if progress is not None:
+        tensors = progress(tensors)
+    weights, freq_factors = {}, None
+    for t in tensors:
+        if t.name == "rope_freqs.weight":
+            freq_factors = torch.from_numpy(dequantize_tensor(t).copy())
+            continue
+        name = hf_name(t.name, config.family)
+        if name is None:
+            continue
+        w = dequantize_tensor(t)
+        if config.family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_rows(w, config.num_attention_heads)
+        elif config.family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_rows(w, config.num_key_value_heads)
+        if config.family == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp's converter stores Gemma norms as (1 + w); keep Hugging Face's convention
+        weights[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)  # copy: the file is mapped read-only
+    if "embed_tokens.weight" not in weights:
+        raise ModelFileError(f"{path}: no token_embd.weight tensor")
+    return config, weights, freq_factors, f

@@ -1,0 +1,45 @@
+"""Hugging Face model directory -> ModelConfig and float tensors (safetensors shards, memory-mapped)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from fastdecode.config import ModelConfig
+from fastdecode.errors import ModelFileError
+
+PREFIXES = ("model.language_model.", "language_model.model.", "model.")  # plain and multimodal Gemma 3 layouts
+
+
+def read_config(path: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    except FileNotFoundError:
+        raise ModelFileError(f"{path} has no config.json") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelFileError(f"{path}/config.json is malformed: {e}") from None
+
+
+def load_hf_dir(path, dtype: torch.dtype = torch.float32, progress=None):
+    """Returns (config, weights) with names stripped of their `model.` prefix."""
+    path = Path(path)
+    config = read_config(path)
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ModelFileError(f"{path} has no *.safetensors files")
+    if progress is not None:
+        shards = progress(shards)
+    weights = {}
+    for shard in shards:
+        try:
+            with safe_open(shard, framework="pt") as f:
+                for key in f.keys():
+                    name = next((key[len(p):] for p in PREFIXES if key.startswith(p)), key)
+                    if name.startswith(("vision_tower", "multi_modal_projector")):
+                        continue
+                    weights[name] = f.get_tensor(key).to(dtype)
+        except (OSError, RuntimeError, SafetensorError) as e:  # SafetensorError: truncated or not safetensors
+            raise ModelFileError(f"cannot read {shard}: {e}") from None
+    return config, weights

@@ -1,0 +1,372 @@
+"""Tokenizer: a Hugging Face `tokenizers.Tokenizer` built from a GGUF vocabulary or a model directory, plus chat
+templates rendered in a jinja2 sandbox.
+
+A GGUF file has no tokenizer.json, only llama.cpp's vocabulary keys. `from_gguf` rebuilds the pipeline that
+transformers' GGUF converter builds (integrations/gguf/gguf_tokenizer_mapping.py) without importing transformers,
+except where llama.cpp and the upstream tokenizer.json agree against it (see DIGIT_SPLIT_PRES).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
+
+from fastdecode.errors import InvalidRequestError, ModelFileError, UnsupportedModelError
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+# Tokens a chat model ends its turn with; generation stops on them as well as on EOS (llama.cpp's EOG list).
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>",
+               "<|end_of_text|>", "<EOT>", "<｜end▁of▁sentence｜>", "<|return|>")
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> split regex applied before the byte-level mapping; anything else gets GPT-2's regex.
+PRE_SPLITS = {**dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral"),
+                              LLAMA3_SPLIT),
+              **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), QWEN2_SPLIT),
+              **dict.fromkeys(("gpt-4o", "llama4"), GPT4O_SPLIT)}
+# These vocabularies were trained with every digit on its own (upstream tokenizer.json: Digits + ByteLevel, and
+# llama.cpp splits \p{N} first). transformers' GGUF converter uses plain GPT-2 splitting here, which differs on
+# e.g. "a  1" (it gives 'Ġ','Ġ' where the model was trained on 'ĠĠ').
+DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "codeshell"}
+
+CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                   "'<|im_end|>' + '\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Gemma 3's official template (the GGUF files often omit it): no system role, it is folded into the first user turn.
+GEMMA_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+
+class Tokenizer:
+    """Text <-> token ids and chat prompts for one model; `backend` is the `tokenizers.Tokenizer` doing the work."""
+
+    def __init__(self, backend: Backend, bos_token_id: int | None, eos_token_ids: list[int],
+                 chat_template: str | None = None):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        added = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self.eos_token_ids = list(dict.fromkeys([*eos_token_ids, *(added[t] for t in END_OF_TURN if t in added)]))
+        if chat_template is None:
+            chat_template = GEMMA_TEMPLATE if backend.token_to_id("<start_of_turn>") is not None else CHATML_TEMPLATE
+        self.chat_template = chat_template
+        self._compiled = (None, None)  # (source, template): compiled on first use, again if chat_template changes
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **extra) -> str:
+        token = lambda i: self.backend.id_to_token(i) if i is not None else None  # noqa: E731
+        variables = {"bos_token": token(self.bos_token_id),
+                     "eos_token": token(self.eos_token_ids[0] if self.eos_token_ids else None), **extra}
+        try:
+            if self._compiled[0] != self.chat_template:
+                self._compiled = (self.chat_template, compile_template(self.chat_template))
+            # OpenAI clients send `"content": null` next to tool calls; templates expect the key to be absent.
+            messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+            return self._compiled[1].render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         **variables)
+        except Exception as e:  # a template is untrusted code: any failure is the request's, not ours
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InvalidRequestError(f"chat template failed: {message}") from None
+
+    # ---- construction --------------------------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, metadata: dict) -> Tokenizer:
+        get = lambda key, default=None: metadata.get(f"tokenizer.ggml.{key}", default)  # noqa: E731
+        model, tokens = get("model"), get("tokens")
+        if model is None or not tokens or not isinstance(tokens, list):
+            raise ModelFileError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.model/tokens missing)")
+        n = len(tokens)
+        token_type = np.asarray(get("token_type", [1] * n))
+        scores = get("scores")
+        if len(token_type) != n or (scores is not None and len(scores) != n):
+            raise ModelFileError(f"GGUF vocabulary is malformed: {n} tokens but {len(token_type)} token types "
+                                 f"and {len(scores or [])} scores")
+        ids = {name: get(f"{name}_token_id") for name in ("bos", "eos", "unknown", "padding")}
+        if any(i is not None and not 0 <= i < n for i in ids.values()):
+            raise ModelFileError(f"GGUF special token ids {ids} lie outside the {n}-token vocabulary")
+        architecture = metadata.get("general.architecture", "")
+        if model == "gpt2":
+            backend, spelled = byte_level_backend(tokens, get("merges"), get("pre", "default"))
+        elif model == "llama":
+            backend, spelled = sentencepiece_backend(tokens, scores, get("merges"), architecture,
+                                                     get("add_space_prefix", True), ids["unknown"])
+        else:
+            raise UnsupportedModelError(f"GGUF tokenizer model {model!r} is not supported (gpt2 and llama are)")
+        # Control tokens (and the named ones) become special added tokens so `<|im_start|>` stays one id; in a
+        # byte-level vocabulary one spelled outside the byte alphabet is a llama.cpp mislabel, and is left alone.
+        named = [i for i in ids.values() if i is not None and token_type[i] != USER_DEFINED]
+        special = sorted(set(np.flatnonzero(token_type == CONTROL).tolist()) | set(named))
+        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                    for i in special if spelled(tokens[i])])
+        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)  # Gemma's respelled spaces: not
+                            for i in np.flatnonzero(token_type == USER_DEFINED).tolist()  # in the vocab as stored
+                            if backend.token_to_id(tokens[i]) is not None])
+        # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
+        add_bos = get("add_bos_token", model == "llama") and ids["bos"] is not None
+        add_eos = get("add_eos_token", False) and ids["eos"] is not None
+        set_bos_eos(backend, tokens[ids["bos"]] if add_bos else None, tokens[ids["eos"]] if add_eos else None)
+        return cls(backend, ids["bos"], [ids["eos"]] if ids["eos"] is not None else [],
+                   metadata.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        try:
+            backend = Backend.from_file(str(path / "tokenizer.json"))
+        except Exception as e:
+            raise ModelFileError(f"cannot read {path / 'tokenizer.json'}: {e}") from None
+        config, generation, model = (read_json(path / name) for name in
+                                     ("tokenizer_config.json", "generation_config.json", "config.json"))
+        content = lambda t: t.get("content") if isinstance(t, dict) else t  # noqa: E731
+        bos, eos = content(config.get("bos_token")), content(config.get("eos_token"))
+        bos_id = backend.token_to_id(bos) if bos else generation.get("bos_token_id", model.get("bos_token_id"))
+        eos_ids = [backend.token_to_id(eos)] if eos else []
+        for extra in (generation.get("eos_token_id"), model.get("eos_token_id")):
+            eos_ids += extra if isinstance(extra, list) else [extra]
+        if "add_bos_token" in config or "add_eos_token" in config:  # else tokenizer.json's post-processor stands
+            known = lambda t, flag: t if config.get(flag) and backend.token_to_id(t or "") is not None else None  # noqa
+            set_bos_eos(backend, known(bos, "add_bos_token"), known(eos, "add_eos_token"))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(backend, bos_id, [i for i in eos_ids if i is not None], template)
+
+
+def byte_level_backend(tokens: list[str], merges: list[str] | None, pre: str):
+    """GPT-2 style BPE over bytes spelled as printable characters; GGUF stores tokens already spelled that way."""
+    if not merges:
+        raise ModelFileError("GGUF byte-level vocabulary has no tokenizer.ggml.merges")
+    alphabet = set(bytes_to_unicode().values())
+    spelled = lambda t: set(t) <= alphabet  # noqa: E731
+    if not spelled("".join(tokens)):  # rare: a few tokens stored as raw text
+        byte_char = bytes_to_unicode()
+        tokens = [t if spelled(t) else "".join(byte_char[b] for b in t.encode()) for t in tokens]
+    backend = bpe_backend({t: i for i, t in enumerate(tokens)}, split_merges(merges))
+    if pre in DIGIT_SPLIT_PRES:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    elif pre in PRE_SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRE_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return backend, spelled
+
+
+def sentencepiece_backend(tokens: list[str], scores, merges, architecture: str, add_space_prefix: bool, unk_id):
+    """SentencePiece-style BPE with byte fallback and `▁` for spaces; merges from the file or implied by the vocab."""
+    gemma = architecture.startswith("gemma")
+    if gemma:  # Gemma stores its runs-of-spaces tokens with real spaces; the merges need them spelled with `▁`
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges:
+        merges = split_merges(merges)
+    else:
+        if scores is None and not gemma:
+            raise ModelFileError("GGUF sentencepiece vocabulary has neither merges nor scores")
+        uniq, ids = list(vocab), np.fromiter(vocab.values(), np.int64, len(vocab))
+        # Gemma's scores do not follow its merge order; the token order in the file does.
+        priority = -ids.astype(np.float64) if gemma else np.asarray(scores, np.float64)[ids]
+        merges = derive_merges(uniq, priority)
+    unk = tokens[unk_id] if unk_id is not None else None
+    backend = bpe_backend(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+    elif architecture == "phi3":  # the prefix space comes from a normalizer, so "  hi" keeps both its spaces
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        decode.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first" if add_space_prefix else "never",
+                                                         split=False)
+        if add_space_prefix:
+            decode.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(decode)
+    return backend, lambda t: True
+
+
+def derive_merges(tokens: list[str], priority: np.ndarray) -> list[tuple[str, str]]:
+    """Merges implied by a vocabulary that lists none: every split of a token into two tokens, best first.
+
+    Same order as transformers' `generate_merges`: higher priority, then longer left piece, longer right piece,
+    then vocabulary order. `tokens` are unique. Substrings are found by a polynomial hash over the whole vocabulary
+    at once (a Python loop over Gemma's 1.2M split points takes seconds); every hit is then compared character by
+    character, and a vocabulary whose hashes collide falls back to the plain loop.
+    """
+    lens = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    codes = np.frombuffer("".join(tokens).encode("utf-32-le"), np.uint32)
+    starts = np.cumsum(lens) - lens
+    base, inv = 0x9E3779B97F4A7C15, pow(0x9E3779B97F4A7C15, -1, 2**64)  # odd, so invertible mod 2**64
+    powers = np.cumprod(np.full(len(codes) + 1, base, np.uint64)) * np.uint64(inv)  # base**q
+    inverse = np.cumprod(np.full(len(codes) + 1, inv, np.uint64)) * np.uint64(base)  # base**-q
+    prefix = np.concatenate((np.zeros(1, np.uint64), np.cumsum(codes * powers[:-1])))
+    span_hash = lambda s, e: (prefix[e] - prefix[s]) * inverse[s]  # noqa: E731  hash of codes[s:e], wherever it lies
+    order = np.argsort(token_hash := span_hash(starts, starts + lens))
+    sorted_hash = token_hash[order]
+    if (np.diff(sorted_hash) == 0).any():
+        return order_merges(tokens, priority, *exact_splits(tokens))
+
+    def lookup(h):  # -> (index into tokens, found); sorted queries search ~2x faster (cache-friendly)
+        by_hash, pos = np.argsort(h), np.empty(len(h), np.int64)
+        pos[by_hash] = np.minimum(np.searchsorted(sorted_hash, h[by_hash]), len(tokens) - 1)
+        return order[pos], sorted_hash[pos] == h
+
+    token, k = segments(np.maximum(lens - 1, 0))  # one row per split point; the left piece is k + 1 long
+    k += 1
+    left, found = lookup(span_hash(starts[token], starts[token] + k))
+    token, k, left = token[found], k[found], left[found]
+    right, found = lookup(span_hash(starts[token] + k, starts[token] + lens[token]))
+    token, k, left, right = token[found], k[found], left[found], right[found]
+    row, j = segments(lens[token])  # compare every character of each hit with its two pieces
+    piece = np.where(j < k[row], starts[left][row] + j, starts[right][row] + j - k[row])
+    if (lens[left] != k).any() or (codes[starts[token][row] + j] != codes[piece]).any():
+        return order_merges(tokens, priority, *exact_splits(tokens))
+    return order_merges(tokens, priority, token, left, right)
+
+
+def segments(lengths: np.ndarray):
+    """(segment, offset) for every position of consecutive segments of these lengths."""
+    segment = np.repeat(np.arange(len(lengths)), lengths)
+    return segment, np.arange(len(segment)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
+def exact_splits(tokens: list[str]):
+    """The plain loop derive_merges vectorises: (token, left, right) index arrays of every two-token split."""
+    index = {t: i for i, t in enumerate(tokens)}
+    rows = [(i, index[t[:k]], index[t[k:]]) for i, t in enumerate(tokens) for k in range(1, len(t))
+            if t[:k] in index and t[k:] in index]
+    return tuple(np.array(c, np.int64) for c in zip(*rows)) if rows else (np.zeros(0, np.int64),) * 3
+
+
+def order_merges(tokens, priority, token, left, right) -> list[tuple[str, str]]:
+    lens = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    # Sort keys, most significant first; (token, left length) already fixes the split, so piece ids add nothing.
+    level = np.unique(-priority, return_inverse=True)[1][token]  # 0 = highest priority
+    keys = [level, lens.max() - lens[left], lens.max() - lens[right], token]
+    sizes = [int(level.max(initial=0)) + 1, int(lens.max()) + 1, int(lens.max()) + 1, len(tokens)]
+    if np.prod(sizes, dtype=object) < 2**63:  # one packed int64 key sorts ~4x faster than np.lexsort
+        packed = keys[0]
+        for key, size in zip(keys[1:], sizes[1:]):
+            packed = packed * size + key
+        rank = np.argsort(packed, kind="stable")
+    else:
+        rank = np.lexsort(keys[::-1])
+    return [(tokens[a], tokens[b]) for a, b in zip(left[rank].tolist(), right[rank].tolist())]
+
+
+def bpe_backend(vocab: dict, merges: list, **options) -> Backend:
+    try:
+        return Backend(BPE(vocab, merges, **options))
+    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge naming an unknown token
+        raise ModelFileError(f"GGUF vocabulary is malformed: {e}") from None
+
+
+def split_merges(merges: list[str]) -> list[tuple[str, str]]:
+    pairs = [tuple(m.split(" ")) for m in merges]
+    if any(len(p) != 2 for p in pairs):
+        raise ModelFileError("GGUF tokenizer.ggml.merges has an entry that is not two tokens separated by a space")
+    return pairs
+
+
+def set_bos_eos(backend: Backend, bos: str | None, eos: str | None):
+    """Makes `encode(add_special_tokens=True)` add BOS and/or EOS around the text."""
+    single = " ".join(filter(None, [bos and f"{bos}:0", "$A:0", eos and f"{eos}:0"]))
+    pair = " ".join(filter(None, [single, bos and f"{bos}:1", "$B:1", eos and f"{eos}:1"]))
+    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(filter(None, [bos, eos]))]
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map: printable bytes stand for themselves, the rest shift past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
+
+
+def compile_template(source: str):
+    """The environment transformers renders chat templates in: sandboxed, trim/lstrip blocks, its own helpers."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    # jinja's own tojson escapes HTML characters; templates expect plain json.dumps.
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(source)
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"cannot read {path}: {e}") from None

@@ -1,0 +1,160 @@
+"""One decoder-only transformer for the Llama, Qwen2, Qwen3 and Gemma 3 families.
+
+The families differ in a few switches read from ModelConfig: q/k/v bias (Qwen2), q/k RMSNorm (Qwen3, Gemma 3),
+and for Gemma 3 a scaled embedding, four norms per block, GELU-tanh and sliding-window layers with their own rope
+base. Module names follow Hugging Face checkpoints, except the packed qkv_proj and gate_up_proj.
+"""
+import math
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from fastdecode.config import ModelConfig
+from fastdecode.layers.attention import Attention, KVCache
+from fastdecode.layers.norm import RMSNorm
+from fastdecode.layers.rotary import rope_cache
+
+# Hugging Face weight name -> (our packed module, index of its shard).
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gelu = config.hidden_act.startswith("gelu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        # Llama/Qwen: the norm before the MLP. Gemma 3: the norm after attention.
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.sandwich = config.family == "gemma3"
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, x, start, rope, mask, kv_start):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), start, rope, mask, kv_start))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), start, rope, mask, kv_start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.embed_scale = math.sqrt(config.hidden_size) if config.family == "gemma3" else None
+        self.max_seq_len = 0
+        self.rope_freq_factors: torch.Tensor | None = None  # set by the GGUF loader for llama3-scaled models
+        self.rope_global = self.rope_local = None
+
+    # ---- cache -------------------------------------------------------------------------------------------------
+    def setup_cache(self, max_seq_len: int, batch: int = 1, dtype: torch.dtype | None = None):
+        """Allocates the static KV cache and rope tables for sequences up to max_seq_len tokens."""
+        c = self.config
+        dtype = dtype or self.embed_tokens.weight.dtype
+        device = self.embed_tokens.weight.device
+        self.max_seq_len = max_seq_len
+        scaling = c.rope_scaling
+        if self.rope_freq_factors is not None:
+            scaling = {"rope_type": "freq_factors", "factors": self.rope_freq_factors}
+        self.rope_global = rope_cache(c.head_dim, max_seq_len, c.rope_theta, scaling).to(device)
+        self.rope_local = rope_cache(c.head_dim, max_seq_len, c.rope_local_base_freq, None).to(device)
+        for block in self.layers:
+            block.self_attn.kv_cache = KVCache(batch, c.num_key_value_heads, max_seq_len, c.head_dim, dtype, device)
+
+    # ---- forward -----------------------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, start: int, all_logits: bool = False) -> torch.Tensor:
+        """tokens (B, T) at positions start..start+T-1 -> logits (B, T, vocab) or, by default, (B, 1, vocab)."""
+        B, T = tokens.shape
+        end = start + T
+        if end > self.max_seq_len:
+            raise ValueError(f"sequence of {end} tokens exceeds the cache of {self.max_seq_len}")
+        x = self.embed_tokens(tokens)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        window = self.config.sliding_window
+        global_mask, local_mask, local_start = None, None, 0
+        if window:
+            local_start = max(0, start - window + 1)
+        if T > 1:
+            q_pos = torch.arange(start, end).unsqueeze(1)
+            global_mask = torch.arange(0, end).unsqueeze(0) <= q_pos
+            if window:
+                k_pos = torch.arange(local_start, end).unsqueeze(0)
+                local_mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        for block in self.layers:
+            if block.self_attn.sliding:
+                x = block(x, start, self.rope_local, local_mask, local_start)
+            else:
+                x = block(x, start, self.rope_global, global_mask, 0)
+        if not all_logits:
+            x = x[:, -1:]
+        logits = self.lm_head(self.norm(x))
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ---- weights -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]):
+        """Copies Hugging Face-named weights (without the `model.` prefix) into the model, packing q/k/v and
+        gate/up. Shapes are asserted: a mismatch means a wrong config, never a silent broadcast."""
+        params = dict(self.named_parameters())
+        packed: dict[str, list] = {}
+        loaded = set()
+        for name, tensor in weights.items():
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in PACKED_MODULES:
+                target, index = PACKED_MODULES[parts[-2]]
+                key = ".".join(parts[:-2] + [target, parts[-1]])
+                packed.setdefault(key, [None] * (3 if target == "qkv_proj" else 2))[index] = tensor
+                continue
+            if name not in params:
+                continue  # e.g. rotary inv_freq buffers some checkpoints carry
+            self._copy(params[name], tensor, name)
+            loaded.add(name)
+        for key, shards in packed.items():
+            if any(s is None for s in shards):
+                raise ValueError(f"incomplete packed weight {key}")
+            self._copy(params[key], torch.cat(shards, dim=0), key)
+            loaded.add(key)
+        if self.config.tie_word_embeddings or "lm_head.weight" not in loaded:
+            self.lm_head.weight = self.embed_tokens.weight
+            loaded.add("lm_head.weight")
+        missing = [n for n in params if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+        if self.config.family == "gemma3":  # Gemma's RMSNorm scales by (1 + weight)
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(1.0)
+
+    @staticmethod
+    def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str):
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+        param.data = tensor.to(param.dtype).contiguous()  # adopt the loaded storage instead of copying into it

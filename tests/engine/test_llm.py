@@ -1,0 +1,94 @@
+"""The engine on the real GGUF models against transformers loading the same file."""
+import pytest
+import torch
+
+from fastdecode import LLM, SamplingParams
+from fastdecode.errors import InvalidRequestError
+
+PROMPTS = [
+    "def quicksort(arr):\n",
+    "The three laws of thermodynamics are",
+    "<|im_start|>user\nWrite a SQL query that counts users per country.<|im_end|>\n<|im_start|>assistant\n",
+]
+GREEDY_TOKENS = 64
+
+
+def reference(path):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def pair(request):
+    path = request.getfixturevalue(f"{request.param}_path")
+    llm = LLM(str(path), max_seq_len=512)
+    return llm, reference(path)
+
+
+def test_logits_match_transformers(pair):
+    llm, ref = pair
+    ids = llm.encode_prompt(PROMPTS[0])
+    llm.model.setup_cache(llm.max_seq_len)
+    with torch.inference_mode():
+        ours = llm.model(torch.tensor([ids]), 0, all_logits=True)
+        theirs = ref(torch.tensor([ids])).logits
+    assert (ours - theirs).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_identical_to_transformers(pair, prompt):
+    llm, ref = pair
+    ids = llm.encode_prompt(prompt)
+    ours = llm.generate(ids, SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)).token_ids
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                           do_sample=False)
+    assert ours == out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return LLM(str(smollm2_path), max_seq_len=256)
+
+
+def test_stream_joins_to_generate_text_and_carries_timings(smollm2):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    chunks = list(smollm2.stream("Hello, my name is", params))
+    done = chunks[-1].completion
+    assert "".join(c.text for c in chunks) == done.text == smollm2.generate("Hello, my name is", params).text
+    t = done.timings
+    assert t.output_tokens == 24 and t.prompt_tokens == len(done.prompt_token_ids)
+    assert t.ttft_s > 0 and t.prefill_tok_s > 0 and t.output_tok_s > 0
+    assert done.finish_reason == "length"
+
+
+def test_chat_stops_at_end_of_turn(smollm2):
+    done = smollm2.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=200))
+    assert done.finish_reason == "stop" and len(done.token_ids) < 200
+    assert "<|im_end|>" not in done.text
+
+
+def test_stop_string_ends_generation(smollm2):
+    done = smollm2.generate("1, 2, 3, 4,", SamplingParams(max_tokens=40, stop=["7"]))
+    assert done.finish_reason == "stop" and "7" not in done.text
+
+
+def test_seeded_sampling_is_reproducible(smollm2):
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
+    assert smollm2.generate("Once upon a time", params).token_ids == smollm2.generate("Once upon a time", params).token_ids
+
+
+def test_prompt_longer_than_context_is_rejected(smollm2):
+    with pytest.raises(InvalidRequestError, match="exceeds the context"):
+        smollm2.generate("word " * 300, SamplingParams(max_tokens=8))
+
+
+def test_long_prompt_is_prefilled_in_chunks_like_one_pass(smollm2_path):
+    from fastdecode.engine import generate as g
+    llm = LLM(str(smollm2_path), max_seq_len=128)
+    ids = llm.encode_prompt("def f(x):\n    return x * 2\n" * 6)
+    with torch.inference_mode():
+        whole = g.prefill(llm.model, ids, chunk=1024)
+        chunked = g.prefill(llm.model, ids, chunk=16)
+    assert torch.allclose(whole, chunked, atol=1e-4)

@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny random checkpoints (Hugging Face and GGUF) and the reference runner."""
