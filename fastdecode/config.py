@@ -17,6 +17,7 @@ HF_ARCHITECTURES = {
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                "gemma3_text": "gemma3", "gemma3": "gemma3"}
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3")
 # GGUF `general.architecture` values we read.
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
@@ -56,7 +57,7 @@ class ModelConfig:
         return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
 
     def is_sliding(self, layer: int) -> bool:
-        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+        return bool(self.sliding_window) and bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -68,6 +69,8 @@ class ModelConfig:
         if family is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {sorted(HF_ARCHITECTURES)}")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError("MLP biases (mlp_bias=true) are not supported")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         eos = cfg.get("eos_token_id")
@@ -105,9 +108,15 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
         )
+        kind = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type") or "default"
+        if kind not in SUPPORTED_ROPE_SCALING:
+            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
         if family == "gemma3":
             c.layer_types = cfg.get("layer_types") or gemma3_layer_types(
                 c.num_hidden_layers, cfg.get("sliding_window_pattern", 6))
+        elif cfg.get("model_type") == "mistral" and cfg.get("sliding_window"):
+            c.sliding_window = cfg["sliding_window"]  # Mistral 7B v0.1: every layer attends within a window
+            c.layer_types = ["sliding_attention"] * c.num_hidden_layers
         return c
 
     @classmethod
@@ -127,9 +136,11 @@ class ModelConfig:
         kv_heads = get("attention.head_count_kv", heads)
         head_dim = get("attention.key_length") or hidden // heads
         vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
-        scaling = None
-        if get("rope.scaling.type") == "linear" or get("rope.scaling.factor"):
+        scaling, kind = None, get("rope.scaling.type", "none")
+        if kind == "linear":
             scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        elif kind != "none":
+            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (only linear and llama3)")
         c = cls(
             family=family,
             vocab_size=vocab,
@@ -155,6 +166,7 @@ class ModelConfig:
             # query_pre_attn_scalar, 168), every other size by head_dim.
             c.query_pre_attn_scalar = hidden // heads if c.num_hidden_layers == 62 else head_dim
             c.sliding_window = get("attention.sliding_window")
+            c.final_logit_softcapping = get("final_logit_softcapping")
             c.layer_types = gemma3_layer_types(c.num_hidden_layers, 6)
         return c
 

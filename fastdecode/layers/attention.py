@@ -38,7 +38,8 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         # q, k and v projections packed into one matmul (the loader concatenates their rows).
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        # Llama's attention_bias covers o_proj too; Qwen2's q/k/v biases do not.
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias and config.family == "llama")
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

@@ -134,7 +134,9 @@ class Transformer(nn.Module):
                 packed.setdefault(key, [None] * (3 if target == "qkv_proj" else 2))[index] = tensor
                 continue
             if name not in params:
-                continue  # e.g. rotary inv_freq buffers some checkpoints carry
+                if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints carry
+                    continue
+                raise ValueError(f"checkpoint weight {name} has no place in the model (unsupported variant?)")
             self._copy(params[name], tensor, name)
             loaded.add(name)
         for key, shards in packed.items():

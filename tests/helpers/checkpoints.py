@@ -48,10 +48,14 @@ SPECS = {
     "llama3_rope": Spec("LlamaForCausalLM", "LlamaConfig",
                         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, rope_scaling=LLAMA3_SCALING),
                         "llama"),
-    # One kv head (MQA); sliding_window None as in Mistral v0.2+ (fastdecode does not window Mistral).
+    # One kv head (MQA); sliding_window None as in Mistral v0.2+.
     "mistral": Spec("MistralForCausalLM", "MistralConfig",
                     dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=1,
                          sliding_window=None), "llama"),
+    # Mistral 7B v0.1 windows every layer; a window of 8 matters within the 24-token prompt.
+    "mistral_window": Spec("MistralForCausalLM", "MistralConfig",
+                           dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, sliding_window=8),
+                           None),
     "qwen2": Spec("Qwen2ForCausalLM", "Qwen2Config",
                   dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=True,
                        rope_theta=1e6), "qwen2"),

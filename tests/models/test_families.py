@@ -87,6 +87,7 @@ def test_prefill_in_two_chunks_equals_one_prefill(loaded):
 FEATURES = [
     ("llama3_rope", {"rope_scaling": None}),
     ("gemma3", {"sliding_window": None}),
+    ("mistral_window", {"sliding_window": None}),
     ("gemma3_hf", {"sliding_window": None}),
     ("gemma3_hf", {"query_pre_attn_scalar": None}),
     ("gemma3_hf", {"rope_local_base_freq": 10000.0}),
