@@ -4,7 +4,6 @@ The reference tokenizers take ~15 s to build (Gemma's merges are derived in Pyth
 """
 import itertools
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,6 @@ from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.tokenizer import (GEMMA_TEMPLATE, Tokenizer, bytes_to_unicode, derive_merges, exact_splits,
                                           order_merges)
 
-SMOLLM2 = Path(os.environ.get("FASTDECODE_SMOLLM2_GGUF", "/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-GEMMA3 = Path(os.environ.get("FASTDECODE_GEMMA3_GGUF", "/tmp/models/gemma-3-270m-q4_k_m.gguf"))
 
 BASE = [
     "", " ", "  ", "\t", "\n", "\n\n\n", " \n ", "\r\n", "a", "Hello world", " Hello world", "Hello world ",
@@ -48,14 +45,10 @@ def strings():
 
 
 def load(path: Path):
-    if not path.is_file():
-        pytest.skip(f"model file {path} not present")
     return Tokenizer.from_gguf(GGUFFile(path).metadata)
 
 
 def reference(path: Path):
-    if not path.is_file():
-        pytest.skip(f"model file {path} not present")
     transformers = pytest.importorskip("transformers")
     # The backend AutoTokenizer.from_pretrained(dir, gguf_file=name) builds (checked equal), minus its config
     # lookup, which reads Gemma's whole file through gguf.GGUFReader first (~28 s).
@@ -63,20 +56,20 @@ def reference(path: Path):
 
 
 @pytest.fixture(scope="module")
-def smollm():
-    return load(SMOLLM2)
+def smollm(smollm2_path):
+    return load(smollm2_path)
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    return load(GEMMA3)
+def gemma(gemma3_path):
+    return load(gemma3_path)
 
 
 @pytest.fixture(scope="module")
-def smollm_ref():
+def smollm_ref(smollm2_path):
     from tokenizers import pre_tokenizers
 
-    ref = reference(SMOLLM2)
+    ref = reference(smollm2_path)
     # transformers splits `smollm` text with GPT-2's regex; the upstream tokenizer.json and llama.cpp split digits
     # first (see tokenizer.DIGIT_SPLIT_PRES), which we follow. Give the reference the upstream pre-tokenizer.
     ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -85,8 +78,8 @@ def smollm_ref():
 
 
 @pytest.fixture(scope="module")
-def gemma_ref():
-    return reference(GEMMA3)
+def gemma_ref(gemma3_path):
+    return reference(gemma3_path)
 
 
 def mismatches(ours, ref, texts):
@@ -267,9 +260,7 @@ def test_derived_merges_match_transformers_generate_merges():
     assert derive_merges(tokens, np.array(scores)) == want
 
 
-def test_vectorised_splits_equal_plain_loop_on_a_real_vocabulary():
-    if not SMOLLM2.is_file():
-        pytest.skip(f"model file {SMOLLM2} not present")
-    tokens = list(dict.fromkeys(GGUFFile(SMOLLM2).metadata["tokenizer.ggml.tokens"]))
+def test_vectorised_splits_equal_plain_loop_on_a_real_vocabulary(smollm2_path):
+    tokens = list(dict.fromkeys(GGUFFile(smollm2_path).metadata["tokenizer.ggml.tokens"]))
     priority = -np.arange(len(tokens), dtype=np.float64)
     assert derive_merges(tokens, priority) == order_merges(tokens, priority, *exact_splits(tokens))

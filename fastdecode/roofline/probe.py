@@ -1,0 +1,150 @@
+"""Bandwidth probe: how fast this machine reads memory with torch, at a large working set (DRAM) and at a given one.
+
+A small model's weights (70-130 MB here) stay partly in the large L3, so its roofline is set by the bandwidth at
+its own working-set size, not by DRAM. Reads are `x.sum()` over float32 tensors after one warm-up read; the figure
+is the median of `repeats` timed reads. Machines are shared and noisy: compare figures measured side by side.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+LARGE_BYTES = 1 << 30  # far beyond any L3: DRAM bandwidth
+WORKING_SET_BYTES = 96 * 10**6  # SmolLM2-135M in Q4_1 reads ~97 MB per token
+MIN_SAMPLE_BYTES = 32 * 10**6
+CACHE_VERSION = 1
+MAX_AGE_S = 24 * 3600  # machines drift; a day-old probe is measured again
+
+
+def fastdecode_home() -> Path:
+    return Path(os.environ.get("FASTDECODE_HOME") or Path.home() / ".cache" / "fastdecode")
+
+
+@contextmanager
+def _threads(threads: int | None):
+    import torch
+
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _read_gb_s(size_bytes: int, repeats: int) -> dict:
+    import torch
+
+    x = torch.ones(max(size_bytes // 4, 1024), dtype=torch.float32)  # ones, not empty: fault the pages in now
+    x.sum()  # warm-up: what fits in cache is now there, as it is for weights read every token
+    reads = max(1, MIN_SAMPLE_BYTES // (x.numel() * 4))  # small sets: several reads per sample hide dispatch
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(reads):
+            x.sum()
+        samples.append(reads * x.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return {"bytes": x.numel() * 4, "gb_s": statistics.median(samples), "min": min(samples), "max": max(samples)}
+
+
+def measure_bandwidth(threads: int | None = None, size_bytes: int = WORKING_SET_BYTES, repeats: int = 9,
+                      large_bytes: int = LARGE_BYTES) -> dict:
+    """Read bandwidth in GB/s (1e9 bytes/s) at `large_bytes` (DRAM) and at the `size_bytes` working set."""
+    with _threads(threads) as n:
+        large = _read_gb_s(large_bytes, repeats)
+        working = _read_gb_s(size_bytes, repeats)
+    return {"threads": n, "repeats": repeats, "bandwidth_gb_s": large["gb_s"], "working_set_gb_s": working["gb_s"],
+            "large": large, "working_set": working, "busy": busy()}
+
+
+def busy() -> str:
+    """'load 3.4 on 2 CPUs' when other processes compete for the CPUs (the probe then reads low), else ''."""
+    try:
+        load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    except (OSError, AttributeError):
+        return ""
+    return f"load {load:.1f} on {cpus} CPUs" if load > cpus else ""
+
+
+def measure_matmul(threads: int | None = None, n: int = 1024, repeats: int = 3) -> dict:
+    """Peak matmul speed in TFLOPS, float32 and bfloat16 (F.linear of n x n by n x n, the best of `repeats`): the
+    compute side of this machine. The best, not the median: a ceiling should not inherit a busy moment."""
+    import torch
+
+    result = {}
+    with _threads(threads):
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            x, w = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            torch.nn.functional.linear(x, w)
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                best = min(best, time.perf_counter() - start)
+            result[name] = 2 * n**3 / best / 1e12
+    return result
+
+
+def _machine_id() -> str:
+    return f"{platform.node()}|{platform.processor() or platform.machine()}|{os.cpu_count()}"
+
+
+def cached_probe(size_bytes: int, threads: int | None = None, home: Path | None = None,
+                 refresh: bool = False) -> dict:
+    """Bandwidth at `size_bytes` and at DRAM, plus matmul TFLOPS, from $FASTDECODE_HOME/probe.json when it holds a
+    working set within 25% of `size_bytes` for this machine and thread count, measured within a day; else measured
+    and added to it."""
+    path = (home or fastdecode_home()) / "probe.json"
+    if not threads:
+        import torch
+
+        threads = torch.get_num_threads()
+    entry = {} if refresh else _load(path).get(f"{_machine_id()}|{threads}") or {}
+    entry.setdefault("working_sets", {})
+    near = [int(b) for b in entry["working_sets"] if abs(int(b) - size_bytes) <= 0.25 * size_bytes]
+    fresh = time.time() - entry.get("measured_unix", 0) < MAX_AGE_S
+    if near and fresh and "bandwidth_gb_s" in entry and "matmul_tflops" in entry:
+        best = min(near, key=lambda b: abs(b - size_bytes))
+        return {**entry, "working_set_bytes": best, "working_set_gb_s": entry["working_sets"][str(best)],
+                "cached": True, "path": str(path)}
+    measured = measure_bandwidth(threads, size_bytes)
+    matmul = entry.get("matmul_tflops") if fresh else None
+    entry = save_probe(measured, matmul or measure_matmul(threads), home, reset=refresh or not fresh)
+    return {**entry, "working_set_bytes": measured["working_set"]["bytes"],
+            "working_set_gb_s": measured["working_set_gb_s"], "cached": False, "path": str(path)}
+
+
+def save_probe(measured: dict, matmul_tflops: dict, home: Path | None = None, reset: bool = True) -> dict:
+    """Add a `measure_bandwidth` result (and matmul speeds) to $FASTDECODE_HOME/probe.json; returns the entry.
+    reset drops the other working sets measured before, as a fresh `fastdecode probe` does."""
+    path = (home or fastdecode_home()) / "probe.json"
+    cache = _load(path)
+    key = f"{_machine_id()}|{measured['threads']}"
+    entry = {"working_sets": {}} if reset or key not in cache else cache[key]
+    entry["working_sets"][str(measured["working_set"]["bytes"])] = measured["working_set_gb_s"]
+    entry.update(bandwidth_gb_s=measured["bandwidth_gb_s"], matmul_tflops=matmul_tflops, busy=measured.get("busy", ""),
+                 threads=measured["threads"], measured_unix=time.time(),
+                 measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    cache[key] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cache, indent=2))
+    except OSError:
+        pass  # a read-only home still gets the measurement, just not the cache
+    return entry
+
+
+def _load(path: Path) -> dict:
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {"version": CACHE_VERSION}
+    return cache if isinstance(cache, dict) and cache.get("version") == CACHE_VERSION else {"version": CACHE_VERSION}

@@ -1,0 +1,44 @@
+"""The bandwidth probe, on tiny working sets, and its cache."""
+from fastdecode.roofline import probe
+
+
+def test_measure_bandwidth_reports_both_working_sets():
+    result = probe.measure_bandwidth(threads=1, size_bytes=1 << 20, repeats=3, large_bytes=4 << 20)
+    assert result["threads"] == 1 and result["repeats"] == 3
+    assert result["large"]["bytes"] == 4 << 20 and result["working_set"]["bytes"] == 1 << 20
+    for part in (result["large"], result["working_set"]):
+        assert 0 < part["min"] <= part["gb_s"] <= part["max"]
+    assert result["bandwidth_gb_s"] == result["large"]["gb_s"]
+
+
+def test_measure_matmul_reports_tflops_per_precision():
+    result = probe.measure_matmul(threads=1, n=64, repeats=2)
+    assert set(result) == {"fp32", "bf16"} and all(v > 0 for v in result.values())
+
+
+def test_probe_is_cached_per_working_set(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_bandwidth(threads, size_bytes):
+        calls.append(size_bytes)
+        return {"threads": threads, "bandwidth_gb_s": 25.0, "working_set_gb_s": 50.0,
+                "working_set": {"bytes": size_bytes, "gb_s": 50.0}}
+
+    monkeypatch.setattr(probe, "measure_bandwidth", fake_bandwidth)
+    monkeypatch.setattr(probe, "measure_matmul", lambda threads: {"fp32": 0.2})
+    first = probe.cached_probe(100_000_000, threads=2, home=tmp_path)
+    again = probe.cached_probe(110_000_000, threads=2, home=tmp_path)  # within 25%: the cached figure
+    other = probe.cached_probe(300_000_000, threads=2, home=tmp_path)  # a new working set: measured
+    assert (first["cached"], again["cached"], other["cached"]) == (False, True, False)
+    assert calls == [100_000_000, 300_000_000] and (tmp_path / "probe.json").is_file()
+    assert probe.cached_probe(100_000_000, threads=2, home=tmp_path, refresh=True)["cached"] is False
+
+
+def test_a_day_old_probe_is_measured_again(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(probe, "measure_bandwidth", lambda threads, size: calls.append(size) or {
+        "threads": threads, "bandwidth_gb_s": 25.0, "working_set_gb_s": 50.0, "working_set": {"bytes": size}})
+    monkeypatch.setattr(probe, "measure_matmul", lambda threads: {"fp32": 0.2})
+    probe.cached_probe(10**8, threads=2, home=tmp_path)
+    monkeypatch.setattr(probe.time, "time", lambda: 1e12)  # far in the future
+    assert probe.cached_probe(10**8, threads=2, home=tmp_path)["cached"] is False and len(calls) == 2
