@@ -24,7 +24,7 @@ test-install: $(VENV)/.test-installed
 
 demo: install
 	$(FASTDECODE) pull smollm2-135m
-	$(FASTDECODE) generate -m smollm2-135m --chat --threads $(THREADS) --max-tokens 200 \
+	$(FASTDECODE) generate -m smollm2-135m --chat --threads $(THREADS) --max-tokens 200 --speed-table \
 		-p "Write a Python function that checks whether a string is a palindrome, with a docstring."
 
 test: test-install
@@ -34,3 +34,25 @@ test: test-install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The benchmark's peers, kept out of `make test`: llama-cpp-python is built from source (about 4 minutes on 2 cores).
+# Built with -march=native, llama.cpp's AMX path crashes on Sapphire Rapids (SIGSEGV at ldtilecfg, see
+# shared/PERF_NOTES.md), so a CPU with AMX gets an explicit AVX-512 build without AMX; a CPU without AMX (an AVX2-only
+# EPYC, say) builds native, because the AVX-512 flags would give it a library that dies on an illegal instruction.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CMAKE_ARGS ?= $(if $(shell grep -m1 -ow amx_tile /proc/cpuinfo 2>/dev/null),\
+	-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF,-DGGML_NATIVE=ON)
+
+$(VENV)/.bench-installed: $(VENV)/.installed
+	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) from source with CMAKE_ARGS=$(strip $(LLAMA_CMAKE_ARGS))"
+	# --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and would hand back a wheel built with other flags.
+	CMAKE_ARGS="$(strip $(LLAMA_CMAKE_ARGS))" $(PIP) install --no-cache-dir --no-binary llama-cpp-python \
+		llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(PIP) install transformers accelerate
+	touch $@
+
+bench-deps: $(VENV)/.bench-installed
+
+bench: bench-deps
+	$(PY) bench/decode.py --threads $(THREADS)

@@ -114,7 +114,9 @@ class ModelConfig:
         if family == "gemma3":
             c.layer_types = cfg.get("layer_types") or gemma3_layer_types(
                 c.num_hidden_layers, cfg.get("sliding_window_pattern", 6))
-        elif cfg.get("model_type") == "mistral" and cfg.get("sliding_window"):
+        else:
+            c.rope_local_base_freq = c.rope_theta  # windowed layers outside Gemma keep the model's rope base
+        if cfg.get("model_type") == "mistral" and cfg.get("sliding_window"):
             c.sliding_window = cfg["sliding_window"]  # Mistral 7B v0.1: every layer attends within a window
             c.layer_types = ["sliding_attention"] * c.num_hidden_layers
         return c

@@ -92,7 +92,9 @@ def stream_to_stdout(chunks):
 @click.option("--chat", "as_chat", is_flag=True, help="Apply the model's chat template to the prompt.")
 @click.option("--system", default=None, help="System message (with --chat).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def generate(model, dtype, quant, group_size, threads, max_seq_len, prompt, as_chat, system, as_json, **kw):
+@click.option("--speed-table", is_flag=True, help="After the answer, a table of speeds against this machine's roofline.")
+def generate(model, dtype, quant, group_size, threads, max_seq_len, prompt, as_chat, system, as_json, speed_table,
+             **kw):
     """Generate a completion for one prompt, streaming it, then print a line of speed figures."""
     params = sampling_params(kw)
     if prompt == "-":
@@ -110,6 +112,41 @@ def generate(model, dtype, quant, group_size, threads, max_seq_len, prompt, as_c
         return
     completion = stream_to_stdout(llm.stream(prompt_ids, params))
     err.print(f"[cyan]{speed_line(completion.timings)}[/cyan]")
+    if speed_table:
+        err.print(speed_report(llm, completion.timings))
+
+
+def speed_report(llm, t: Timings) -> Table:
+    """Measured speeds beside the decode ceiling: this machine's read bandwidth / bytes read per token."""
+    from fastdecode.roofline.probe import cached_probe
+
+    weights = llm.weight_bytes_per_token()
+    per_token = weights + llm.kv_bytes_per_token(t.prompt_tokens + t.output_tokens // 2)
+    err.print("[dim]measuring memory bandwidth (cached for a day)...[/dim]")
+    probe = cached_probe(per_token, torch_threads())
+    bandwidth = probe["working_set_gb_s"] * 1e9
+    ceiling = bandwidth / per_token
+    table = Table(title=f"{llm.name} | {llm.dtype}{'' if not llm.quant else ' + ' + llm.quant} | "
+                        f"{'native C++ decode' if llm.decoder else 'PyTorch decode'} | {torch_threads()} threads")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in [
+        ("prompt tokens", f"{t.prompt_tokens}"), ("output tokens", f"{t.output_tokens}"),
+        ("TTFT", f"{t.ttft_s * 1000:.0f} ms"), ("prefill", f"{t.prefill_tok_s:.0f} tok/s"),
+        ("decode (output tok/s)", f"{t.output_tok_s:.1f} tok/s"),
+        ("bytes read per token", f"{per_token / 1e6:.1f} MB"),
+        ("memory bandwidth (measured)", f"{bandwidth / 1e9:.1f} GB/s"),
+        ("decode ceiling (roofline)", f"{ceiling:.0f} tok/s"),
+        ("share of roofline", f"{100 * t.output_tok_s / ceiling:.0f}%"),
+    ]:
+        table.add_row(name, value)
+    return table
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 @click.command()

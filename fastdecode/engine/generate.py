@@ -49,8 +49,10 @@ def decode_one_token(model, token: torch.Tensor, pos: int) -> torch.Tensor:
 
 
 def generate_tokens(model, prompt_ids: list[int], sampler: Sampler, max_tokens: int, stop_ids: set[int],
-                    timings: Timings) -> Iterator[int]:
-    """Yields output token ids (a stop token is yielded too, then generation ends); fills `timings` as it goes."""
+                    timings: Timings, decode=None) -> Iterator[int]:
+    """Yields output token ids (a stop token is yielded too, then generation ends); fills `timings` as it goes.
+    `decode(token (1, 1), pos) -> logits` defaults to the model's own forward (the native decoder is faster)."""
+    decode = decode or (lambda token, pos: decode_one_token(model, token, pos))
     t0 = time.perf_counter()
     logits = prefill(model, prompt_ids)
     timings.prompt_tokens = len(prompt_ids)
@@ -68,5 +70,5 @@ def generate_tokens(model, prompt_ids: list[int], sampler: Sampler, max_tokens: 
         if token in stop_ids or n == max_tokens:
             return
         step[0, 0] = token
-        token = sampler.sample(decode_one_token(model, step, pos))
+        token = sampler.sample(decode(step, pos))
         pos += 1

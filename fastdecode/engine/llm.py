@@ -13,6 +13,7 @@ from fastdecode.engine.detokenize import IncrementalDetokenizer
 from fastdecode.engine.generate import Timings, generate_tokens
 from fastdecode.engine.sampling import Sampler, SamplingParams
 from fastdecode.errors import InvalidRequestError
+from fastdecode.kernels.decoder import native_decoder
 from fastdecode.loading import load_model, load_tokenizer
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
 
@@ -41,8 +42,8 @@ class StreamChunk:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", quant: str | None = None,
-                 group_size: int = 32, threads: int | None = None, max_seq_len: int = 4096, progress=None,
-                 log=lambda *a: None):
+                 group_size: int = 32, threads: int | None = None, max_seq_len: int = 4096, native: bool = True,
+                 progress=None, log=lambda *a: None):
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         if threads:
@@ -59,6 +60,7 @@ class LLM:
             quantize_model(self.model, quant, group_size=group_size)
         self.max_seq_len = min(max_seq_len, self.config.max_position_embeddings)
         self.model.setup_cache(self.max_seq_len)
+        self.decoder = native_decoder(self.model) if native else None  # None: PyTorch's forward decodes
         self.lock = threading.Lock()  # one request at a time owns the KV cache
 
     # ---- prompts -----------------------------------------------------------------------------------------------
@@ -85,7 +87,8 @@ class LLM:
         timings, output, finish = Timings(), [], "length"
         with self.lock:
             sampler = Sampler(params, self.config.vocab_size, prompt_ids)
-            for token in generate_tokens(self.model, prompt_ids, sampler, params.max_tokens, stop_ids, timings):
+            for token in generate_tokens(self.model, prompt_ids, sampler, params.max_tokens, stop_ids, timings,
+                                         self.decoder):
                 if token in stop_ids:
                     finish = "stop"
                     break

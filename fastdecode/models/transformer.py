@@ -92,9 +92,7 @@ class Transformer(nn.Module):
         end = start + T
         if end > self.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache of {self.max_seq_len}")
-        x = self.embed_tokens(tokens)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = self.embed(tokens)
         window = self.config.sliding_window
         global_mask, local_mask, local_start = None, None, 0
         if window:
@@ -110,8 +108,16 @@ class Transformer(nn.Module):
                 x = block(x, start, self.rope_local, local_mask, local_start)
             else:
                 x = block(x, start, self.rope_global, global_mask, 0)
-        if not all_logits:
-            x = x[:, -1:]
+        return self.head(x if all_logits else x[:, -1:])
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden states (..., D) -> logits (..., vocab)."""
         logits = self.lm_head(self.norm(x))
         cap = self.config.final_logit_softcapping
         if cap:

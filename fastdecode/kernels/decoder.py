@@ -1,0 +1,81 @@
+"""The whole-model decode step in C++ (decode_step.cpp) for a built Transformer, where the model allows it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastdecode.kernels import native_ops
+
+EMPTY = torch.empty(0)
+
+
+def linear_tensors(module: nn.Module) -> list[torch.Tensor] | None:
+    """(weight, scale, bias) as decode_step.cpp takes them, or None for a linear it cannot run."""
+    bias = module.bias if module.bias is not None else EMPTY
+    if isinstance(module, nn.Linear):
+        return [module.weight, EMPTY, bias] if module.weight.dtype == torch.float32 else None
+    if getattr(module, "backend", None) != "native":
+        return None
+    if hasattr(module, "scale"):  # Int8Linear
+        return [module.qweight, module.scale, bias]
+    return [module.qweight, EMPTY, bias]  # Int4Linear: scales live inside the packed weight
+
+
+class NativeDecoder:
+    """Runs one token through all layers with a single call into C++; the final norm and LM head stay in PyTorch."""
+
+    def __init__(self, model, ops):
+        self.model, self.ops = model, ops
+        c = model.config
+        self.windows = [c.sliding_window if c.is_sliding(i) else 0 for i in range(c.num_hidden_layers)]
+        self.sandwich = c.family == "gemma3"
+        self.gelu = c.hidden_act.startswith("gelu")
+        self.gather()
+
+    def gather(self):
+        """Collects the per-layer tensors in decode_step.cpp's slot order (again whenever the cache is replaced)."""
+        model = self.model
+        self.cache = model.layers[0].self_attn.kv_cache.k
+        self.weights = []
+        for block in model.layers:
+            attn, mlp = block.self_attn, block.mlp
+
+            def norm(name, owner=block):
+                m = getattr(owner, name, None)
+                return m.weight if m is not None else EMPTY
+            self.weights += [norm("input_layernorm"), norm("post_attention_layernorm"),
+                             norm("pre_feedforward_layernorm"), norm("post_feedforward_layernorm"),
+                             norm("q_norm", attn), norm("k_norm", attn),
+                             *linear_tensors(attn.qkv_proj), *linear_tensors(attn.o_proj),
+                             *linear_tensors(mlp.gate_up_proj), *linear_tensors(mlp.down_proj),
+                             attn.kv_cache.k, attn.kv_cache.v]
+
+    @staticmethod
+    def supports(model) -> bool:
+        layers_ok = all(
+            linear_tensors(m) is not None
+            for block in model.layers
+            for m in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj))
+        return (model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.device.type == "cpu"
+                and layers_ok and all(b.self_attn.kv_cache is not None and b.self_attn.kv_cache.k.shape[0] == 1
+                                      for b in model.layers))
+
+    @torch.inference_mode()
+    def __call__(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        """token (1, 1) at position pos -> logits (vocab,)."""
+        m, c = self.model, self.model.config
+        if m.layers[0].self_attn.kv_cache.k is not self.cache:
+            self.gather()
+        x = m.embed(token)[0]  # (1, D)
+        x = self.ops.decode_layers(x, self.weights, pos, m.rope_global, m.rope_local, self.windows,
+                                   c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+                                   c.attention_scale, self.sandwich, self.gelu)
+        return m.head(x)[0]
+
+
+def native_decoder(model) -> NativeDecoder | None:
+    """A NativeDecoder for the model when the native kernels are built and the model fits them, else None."""
+    if not NativeDecoder.supports(model):
+        return None
+    ops = native_ops()
+    return NativeDecoder(model, ops) if ops is not None else None

@@ -1,0 +1,191 @@
+// Weight-only quantized matmuls for x86 with AVX2 (+FMA, F16C), in the manner of llama.cpp's Q8_0 and Q4_1 dot
+// products: each activation row is quantized to int8 in blocks of 32 (scale d = amax / 127), and the int8 x int8
+// products are summed with vpmaddubsw / vpmaddwd, then scaled per block in float.
+//
+// Weights are stored tile-major, in the order the kernel reads them, so that each thread reads one sequential
+// stream (the hardware prefetcher's best case):
+// q8_linear: W int8 (N, K) with one float scale per output row (symmetric), packed as (N/4, K/32, 4, 32):
+//   for each tile of 4 rows, block by block, the 4 rows' 32 values.
+// q4_linear: W 4-bit in blocks of 32 along K, w = d * q + m with q in 0..15 (asymmetric, like Q4_1), packed as
+//   (N/4, K/64, 160) bytes: for each tile of 4 rows and pair of blocks, 8 fp16 scales d and 8 fp16 mins m in
+//   (row, block) order, then each row's 32 bytes; byte j of a block holds q[j] | q[j + 16] << 4.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t QK = 32;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// x (rows, K) float -> xq (rows, K) int8 and, per block of 32, ds = (d, d * sum(q)) as float pairs.
+void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* ds) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < blocks; ++i, x += QK, xq += QK) {
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float d = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // round to nearest even
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    // packs interleave 128-bit lanes; the permute restores element order.
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i*)xq, _mm256_permutevar8x32_epi32(p, perm));
+    ds[2 * i] = d;
+    ds[2 * i + 1] = d * hsum(_mm256_cvtepi32_ps(sum));
+  }
+}
+
+// Sum over 32 lanes of u8 * i8 products, as 8 int32 lanes. Inputs must keep |u8 * i8 * 2| within int16.
+inline __m256i dot_u8i8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// A tile of 4 int8 weight rows against MR quantized activation rows (row stride K) -> sums[m][r] before the row
+// scales. Each weight block is loaded once for all MR rows.
+template <int MR>
+inline void q8_tile(const int8_t* w, int64_t K, const int8_t* xq, const float* ds, float* out) {
+  const int64_t nb = K / QK;
+  __m256 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += 4 * QK) {
+    __m256i wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = _mm256_loadu_si256((const __m256i*)(w + r * QK));
+    for (int m = 0; m < MR; ++m) {
+      const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + m * K + b * QK));
+      const __m256i ax = _mm256_sign_epi8(x, x);  // |x| as u8, the sign moved onto w; |x| <= 127 keeps int16 exact
+      const __m256 d = _mm256_set1_ps(ds[m * 2 * nb + 2 * b]);
+      for (int r = 0; r < 4; ++r)
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8i8(ax, _mm256_sign_epi8(wv[r], x))), d, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < 4; ++r) out[4 * m + r] = hsum(acc[m][r]);
+}
+
+// A tile of 4 rows of 4-bit weights against MR quantized activation rows, two blocks per step -> sums[m][r].
+template <int MR>
+inline void q4_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* ds, float* out) {
+  const int64_t nb = K / QK;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // Picks row r's (block b, block b+1) scales out of the 8 (row, block) lanes: b's into lanes 0-3, b+1's into 4-7.
+  const __m256i bcast[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                            _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  __m256 acc[MR][4], acc_min[MR];
+  for (int m = 0; m < MR; ++m) {
+    acc_min[m] = _mm256_setzero_ps();
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; b += 2, w += 160) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));          // weight scales, (row, block)
+    const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16)));  // weight mins, (row, block)
+    __m256i xlo[MR], xhi[MR];
+    __m256 scale[MR];
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* x = xq + m * K + b * QK;
+      const __m256i x0 = _mm256_loadu_si256((const __m256i*)x), x1 = _mm256_loadu_si256((const __m256i*)(x + QK));
+      xlo[m] = _mm256_permute2x128_si256(x0, x1, 0x20);  // elements 0..15 of block b | of block b+1
+      xhi[m] = _mm256_permute2x128_si256(x0, x1, 0x31);  // elements 16..31 of each
+      // ds holds (d_x, s_x) per block with s_x = d_x * sum(q_x); spread as (b, b+1) pairs to match (row, block).
+      const __m128 v = _mm_loadu_ps(ds + m * 2 * nb + 2 * b);
+      const __m128 d2 = _mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 0, 2, 0)), s2 = _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 3, 1));
+      scale[m] = _mm256_mul_ps(d, _mm256_set_m128(d2, d2));
+      acc_min[m] = _mm256_fmadd_ps(mins, _mm256_set_m128(s2, s2), acc_min[m]);
+    }
+    for (int r = 0; r < 4; ++r) {
+      const __m256i q = _mm256_loadu_si256((const __m256i*)(w + 32 + 32 * r));
+      const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+      for (int m = 0; m < MR; ++m) {
+        // u4 * i8 pair sums stay far inside int16, so both halves add before widening.
+        const __m256i p = _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo[m]), _mm256_maddubs_epi16(hi, xhi[m])), _mm256_set1_epi16(1));
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(scale[m], bcast[r]), acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float mn[8];
+    _mm256_store_ps(mn, acc_min[m]);
+    for (int r = 0; r < 4; ++r) out[4 * m + r] = hsum(acc[m][r]) + mn[2 * r] + mn[2 * r + 1];
+  }
+}
+
+// Quantizes the rows of x (..., K), then runs tile(MR, t, xq, ds, sums) for every tile t of 4 output rows and every
+// MR activation rows, on all threads, and returns y (..., N) = sums + bias.
+template <int MR, typename Tile>
+at::Tensor run(const at::Tensor& x, int64_t N, int64_t K, int64_t tile_bytes, const c10::optional<at::Tensor>& bias,
+               const Tile& tile) {
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  const at::Tensor x2d = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x2d.size(0);
+  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar)), ds = at::empty({M, K / QK, 2}, x2d.options());
+  quantize_rows(x2d.data_ptr<float>(), M * K / QK, xq.data_ptr<int8_t>(), ds.data_ptr<float>());
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x2d.options());
+  const int8_t* XQ = xq.data_ptr<int8_t>();
+  const float* DS = ds.data_ptr<float>();
+  const bool has_bias = bias && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
+              "bias must be float32 of out_features");
+  const float* B = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+  // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
+  at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t m = 0; m < M;) {
+        float s[4 * MR];
+        const int mr = M - m >= MR ? MR : 1;
+        if (mr == MR) tile(std::integral_constant<int, MR>(), t, XQ + m * K, DS + m * K / QK * 2, s);
+        else tile(std::integral_constant<int, 1>(), t, XQ + m * K, DS + m * K / QK * 2, s);
+        for (int i = 0; i < mr; ++i, ++m)
+          for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] = s[4 * i + r] + (B ? B[4 * t + r] : 0.0f);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+namespace fastdecode {
+
+// w (N/4, K/32, 4, 32) int8, scale (N,) float.
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias) {
+  const int64_t N = w.size(0) * 4, K = w.size(1) * QK;
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar && scale.size(0) == N, "bad q8 weight");
+  const int8_t* W = w.data_ptr<int8_t>();
+  const float* S = scale.data_ptr<float>();
+  return run<2>(x, N, K, 4 * K, bias, [&](auto mr, int64_t t, const int8_t* xq, const float* ds, float* s) {
+    q8_tile<decltype(mr)::value>(W + t * 4 * K, K, xq, ds, s);
+    for (int i = 0; i < 4 * decltype(mr)::value; ++i) s[i] *= S[4 * t + i % 4];
+  });
+}
+
+// w (N/4, K/64, 160) uint8.
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  const int64_t N = w.size(0) * 4, K = w.size(1) * 2 * QK;
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 160, "bad q4 weight");
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  return run<1>(x, N, K, 4 * K * 5 / 8, bias, [&](auto mr, int64_t t, const int8_t* xq, const float* ds, float* s) {
+    q4_tile<decltype(mr)::value>(W + t * K / 64 * 160, K, xq, ds, s);
+  });
+}
+
+}  // namespace fastdecode
