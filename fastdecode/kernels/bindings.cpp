@@ -3,8 +3,7 @@
 #include <vector>
 
 namespace fastdecode {
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                     const c10::optional<at::Tensor>& bias);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 }  // namespace fastdecode
 
@@ -14,7 +13,7 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights, i
                          double attn_scale, bool sandwich, bool gelu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T * scale + bias, W int8 packed (N/4, K/32, 4, 32)");
+  m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W int8 packed (N/4, K/32, 136) with fp16 block scales");
   m.def("q4_linear", &fastdecode::q4_linear,
         "y = x @ W.T + bias, W 4-bit packed (N/4, K/64, 160) with fp16 scales and mins");
   m.def("decode_layers", &decode_layers, "one token through every layer (see decode_step.cpp)");

@@ -14,8 +14,7 @@
 #include <vector>
 
 namespace fastdecode {
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                     const c10::optional<at::Tensor>& bias);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 }  // namespace fastdecode
 
@@ -24,19 +23,16 @@ namespace {
 // Tensors of one layer, in this order (an empty tensor stands for "absent").
 enum Slot {
   IN_NORM, POST_ATTN_NORM, PRE_FF_NORM, POST_FF_NORM, Q_NORM, K_NORM,
-  QKV_W, QKV_S, QKV_B, O_W, O_S, O_B, GU_W, GU_S, GU_B, DOWN_W, DOWN_S, DOWN_B,
-  K_CACHE, V_CACHE, SLOTS
+  QKV_W, QKV_B, O_W, O_B, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, SLOTS
 };
 
 inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& b) {
+// A float weight (N, K), or a packed quantized one (quant.cpp): int8 (N/4, K/32, 136) or int4 (N/4, K/64, 160).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   c10::optional<at::Tensor> bias = present(b) ? c10::optional<at::Tensor>(b) : c10::nullopt;
-  switch (w.scalar_type()) {
-    case at::kChar: return fastdecode::q8_linear(x, w, s, bias);
-    case at::kByte: return fastdecode::q4_linear(x, w, bias);
-    default: return at::linear(x, w, bias);
-  }
+  if (w.scalar_type() != at::kByte) return at::linear(x, w, bias);
+  return w.size(2) == 136 ? fastdecode::q8_linear(x, w, bias) : fastdecode::q4_linear(x, w, bias);
 }
 
 void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
@@ -116,7 +112,7 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights, i
     const float* sin = cos + rope.size(1) * hd;
 
     rms_norm(X, w[IN_NORM].data_ptr<float>(), D, epsf, Hs);
-    at::Tensor qkv = linear(h, w[QKV_W], w[QKV_S], w[QKV_B]);
+    at::Tensor qkv = linear(h, w[QKV_W], w[QKV_B]);
     float* q = qkv.data_ptr<float>();
     float* k = q + qn;
     const float* v = k + kn;
@@ -134,7 +130,7 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights, i
     }
     const int64_t start = window ? std::max<int64_t>(0, pos - window + 1) : 0;
     attention(q, kc, vc, H, K, S, hd, start, pos + 1, scale, attn.data_ptr<float>());
-    at::Tensor o = linear(attn, w[O_W], w[O_S], w[O_B]);
+    at::Tensor o = linear(attn, w[O_W], w[O_B]);
     float* O = o.data_ptr<float>();
     if (sandwich) {
       rms_norm(O, w[POST_ATTN_NORM].data_ptr<float>(), D, epsf, O);
@@ -144,14 +140,14 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights, i
       for (int64_t i = 0; i < D; ++i) X[i] += O[i];
       rms_norm(X, w[POST_ATTN_NORM].data_ptr<float>(), D, epsf, Hs);
     }
-    at::Tensor gu = linear(h, w[GU_W], w[GU_S], w[GU_B]);
+    at::Tensor gu = linear(h, w[GU_W], w[GU_B]);
     const int64_t I = gu.size(1) / 2;
     float* G = gu.data_ptr<float>();
     for (int64_t i = 0; i < I; ++i) {
       const float a = G[i];
       G[i] = (gelu ? gelu_tanh(a) : a / (1.f + std::exp(-a))) * G[I + i];
     }
-    at::Tensor d = linear(gu.narrow(1, 0, I), w[DOWN_W], w[DOWN_S], w[DOWN_B]);
+    at::Tensor d = linear(gu.narrow(1, 0, I), w[DOWN_W], w[DOWN_B]);
     float* Dn = d.data_ptr<float>();
     if (sandwich) rms_norm(Dn, w[POST_FF_NORM].data_ptr<float>(), D, epsf, Dn);
     for (int64_t i = 0; i < D; ++i) X[i] += Dn[i];

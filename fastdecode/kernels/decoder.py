@@ -10,15 +10,13 @@ EMPTY = torch.empty(0)
 
 
 def linear_tensors(module: nn.Module) -> list[torch.Tensor] | None:
-    """(weight, scale, bias) as decode_step.cpp takes them, or None for a linear it cannot run."""
+    """(weight, bias) as decode_step.cpp takes them, or None for a linear it cannot run."""
     bias = module.bias if module.bias is not None else EMPTY
     if isinstance(module, nn.Linear):
-        return [module.weight, EMPTY, bias] if module.weight.dtype == torch.float32 else None
-    if getattr(module, "backend", None) != "native":
-        return None
-    if hasattr(module, "scale"):  # Int8Linear
-        return [module.qweight, module.scale, bias]
-    return [module.qweight, EMPTY, bias]  # Int4Linear: scales live inside the packed weight
+        return [module.weight, bias] if module.weight.dtype == torch.float32 else None
+    if getattr(module, "backend", None) == "native":  # Int8Linear, Int4Linear: scales live in the packed weight
+        return [module.qweight, bias]
+    return None
 
 
 class NativeDecoder:

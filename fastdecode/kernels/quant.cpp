@@ -4,8 +4,8 @@
 //
 // Weights are stored tile-major, in the order the kernel reads them, so that each thread reads one sequential
 // stream (the hardware prefetcher's best case):
-// q8_linear: W int8 (N, K) with one float scale per output row (symmetric), packed as (N/4, K/32, 4, 32):
-//   for each tile of 4 rows, block by block, the 4 rows' 32 values.
+// q8_linear: W int8 in blocks of 32 along K, w = d * q (symmetric, like Q8_0), packed as (N/4, K/32, 136) bytes:
+//   for each tile of 4 rows and block, the 4 rows' fp16 scales d, then each row's 32 values.
 // q4_linear: W 4-bit in blocks of 32 along K, w = d * q + m with q in 0..15 (asymmetric, like Q4_1), packed as
 //   (N/4, K/64, 160) bytes: for each tile of 4 rows and pair of blocks, 8 fp16 scales d and 8 fp16 mins m in
 //   (row, block) order, then each row's 32 bytes; byte j of a block holds q[j] | q[j + 16] << 4.
@@ -55,85 +55,69 @@ inline __m256i dot_u8i8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// A tile of 4 int8 weight rows against MR quantized activation rows (row stride K) -> sums[m][r] before the row
-// scales. Each weight block is loaded once for all MR rows.
-template <int MR>
-inline void q8_tile(const int8_t* w, int64_t K, const int8_t* xq, const float* ds, float* out) {
-  const int64_t nb = K / QK;
-  __m256 acc[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += 4 * QK) {
-    __m256i wv[4];
-    for (int r = 0; r < 4; ++r) wv[r] = _mm256_loadu_si256((const __m256i*)(w + r * QK));
-    for (int m = 0; m < MR; ++m) {
-      const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + m * K + b * QK));
-      const __m256i ax = _mm256_sign_epi8(x, x);  // |x| as u8, the sign moved onto w; |x| <= 127 keeps int16 exact
-      const __m256 d = _mm256_set1_ps(ds[m * 2 * nb + 2 * b]);
-      for (int r = 0; r < 4; ++r)
-        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8i8(ax, _mm256_sign_epi8(wv[r], x))), d, acc[m][r]);
+// A tile of 4 int8 weight rows against one quantized activation row -> the 4 dot products.
+inline void q8_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* ds, float* out) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < K / QK; ++b, w += 8 + 4 * QK) {
+    const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * QK));
+    const __m256i ax = _mm256_sign_epi8(x, x);  // |x| as u8, the sign moved onto w; |x| <= 127 keeps int16 exact
+    // The 4 rows' fp16 weight scales times the activation scale, in the low 4 lanes.
+    const __m128 d = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)w)), _mm_set1_ps(ds[2 * b]));
+    for (int r = 0; r < 4; ++r) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + 8 + r * QK));
+      const __m256 dr = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), _mm256_set1_epi32(r));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8i8(ax, _mm256_sign_epi8(wv, x))), dr, acc[r]);
     }
   }
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < 4; ++r) out[4 * m + r] = hsum(acc[m][r]);
+  for (int r = 0; r < 4; ++r) out[r] = hsum(acc[r]);
 }
 
-// A tile of 4 rows of 4-bit weights against MR quantized activation rows, two blocks per step -> sums[m][r].
-template <int MR>
+// A tile of 4 rows of 4-bit weights against one quantized activation row, two blocks per step -> the 4 dot products.
 inline void q4_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* ds, float* out) {
-  const int64_t nb = K / QK;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // Picks row r's (block b, block b+1) scales out of the 8 (row, block) lanes: b's into lanes 0-3, b+1's into 4-7.
   const __m256i bcast[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
-  __m256 acc[MR][4], acc_min[MR];
-  for (int m = 0; m < MR; ++m) {
-    acc_min[m] = _mm256_setzero_ps();
-    for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
-  }
-  for (int64_t b = 0; b < nb; b += 2, w += 160) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 acc_min = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / QK; b += 2, w += 160) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));          // weight scales, (row, block)
     const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16)));  // weight mins, (row, block)
-    __m256i xlo[MR], xhi[MR];
-    __m256 scale[MR];
-    for (int m = 0; m < MR; ++m) {
-      const int8_t* x = xq + m * K + b * QK;
-      const __m256i x0 = _mm256_loadu_si256((const __m256i*)x), x1 = _mm256_loadu_si256((const __m256i*)(x + QK));
-      xlo[m] = _mm256_permute2x128_si256(x0, x1, 0x20);  // elements 0..15 of block b | of block b+1
-      xhi[m] = _mm256_permute2x128_si256(x0, x1, 0x31);  // elements 16..31 of each
-      // ds holds (d_x, s_x) per block with s_x = d_x * sum(q_x); spread as (b, b+1) pairs to match (row, block).
-      const __m128 v = _mm_loadu_ps(ds + m * 2 * nb + 2 * b);
-      const __m128 d2 = _mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 0, 2, 0)), s2 = _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 3, 1));
-      scale[m] = _mm256_mul_ps(d, _mm256_set_m128(d2, d2));
-      acc_min[m] = _mm256_fmadd_ps(mins, _mm256_set_m128(s2, s2), acc_min[m]);
-    }
+    const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + b * QK));
+    const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + b * QK + QK));
+    const __m256i xlo = _mm256_permute2x128_si256(x0, x1, 0x20);  // elements 0..15 of block b | of block b+1
+    const __m256i xhi = _mm256_permute2x128_si256(x0, x1, 0x31);  // elements 16..31 of each
+    // ds holds (d_x, s_x) per block with s_x = d_x * sum(q_x); spread as (b, b+1) pairs to match (row, block).
+    const __m128 v = _mm_loadu_ps(ds + 2 * b);
+    const __m128 d2 = _mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 0, 2, 0));
+    const __m128 s2 = _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 3, 1));
+    const __m256 scale = _mm256_mul_ps(d, _mm256_set_m128(d2, d2));
+    acc_min = _mm256_fmadd_ps(mins, _mm256_set_m128(s2, s2), acc_min);
     for (int r = 0; r < 4; ++r) {
       const __m256i q = _mm256_loadu_si256((const __m256i*)(w + 32 + 32 * r));
       const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-      for (int m = 0; m < MR; ++m) {
-        // u4 * i8 pair sums stay far inside int16, so both halves add before widening.
-        const __m256i p = _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo[m]), _mm256_maddubs_epi16(hi, xhi[m])), _mm256_set1_epi16(1));
-        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(scale[m], bcast[r]), acc[m][r]);
-      }
+      // u4 * i8 pair sums stay far inside int16, so both halves add before widening.
+      const __m256i p = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), _mm256_set1_epi16(1));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(scale, bcast[r]), acc[r]);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float mn[8];
-    _mm256_store_ps(mn, acc_min[m]);
-    for (int r = 0; r < 4; ++r) out[4 * m + r] = hsum(acc[m][r]) + mn[2 * r] + mn[2 * r + 1];
-  }
+  alignas(32) float mn[8];
+  _mm256_store_ps(mn, acc_min);
+  for (int r = 0; r < 4; ++r) out[r] = hsum(acc[r]) + mn[2 * r] + mn[2 * r + 1];
 }
 
-// Quantizes the rows of x (..., K), then runs tile(MR, t, xq, ds, sums) for every tile t of 4 output rows and every
-// MR activation rows, on all threads, and returns y (..., N) = sums + bias.
-template <int MR, typename Tile>
+// Quantizes the rows of x (..., K), then runs tile(t, xq, ds, sums) for every tile t of 4 output rows and every
+// activation row, on all threads, and returns y (..., N) = sums + bias. (Two activation rows per tile call, sharing
+// each weight load, measured no faster at M = 4..16 on Zen 3.)
+template <typename Tile>
 at::Tensor run(const at::Tensor& x, int64_t N, int64_t K, int64_t tile_bytes, const c10::optional<at::Tensor>& bias,
                const Tile& tile) {
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   const at::Tensor x2d = x.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = x2d.size(0);
-  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar)), ds = at::empty({M, K / QK, 2}, x2d.options());
+  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar));
+  const at::Tensor ds = at::empty({M, K / QK, 2}, x2d.options());
   quantize_rows(x2d.data_ptr<float>(), M * K / QK, xq.data_ptr<int8_t>(), ds.data_ptr<float>());
   auto shape = x.sizes().vec();
   shape.back() = N;
@@ -148,13 +132,10 @@ at::Tensor run(const at::Tensor& x, int64_t N, int64_t K, int64_t tile_bytes, co
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
   at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t m = 0; m < M;) {
-        float s[4 * MR];
-        const int mr = M - m >= MR ? MR : 1;
-        if (mr == MR) tile(std::integral_constant<int, MR>(), t, XQ + m * K, DS + m * K / QK * 2, s);
-        else tile(std::integral_constant<int, 1>(), t, XQ + m * K, DS + m * K / QK * 2, s);
-        for (int i = 0; i < mr; ++i, ++m)
-          for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] = s[4 * i + r] + (B ? B[4 * t + r] : 0.0f);
+      for (int64_t m = 0; m < M; ++m) {
+        float sums[4];
+        tile(t, XQ + m * K, DS + m * K / QK * 2, sums);
+        for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] = sums[r] + (B ? B[4 * t + r] : 0.0f);
       }
     }
   });
@@ -165,16 +146,13 @@ at::Tensor run(const at::Tensor& x, int64_t N, int64_t K, int64_t tile_bytes, co
 
 namespace fastdecode {
 
-// w (N/4, K/32, 4, 32) int8, scale (N,) float.
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                     const c10::optional<at::Tensor>& bias) {
+// w (N/4, K/32, 136) uint8.
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const int64_t N = w.size(0) * 4, K = w.size(1) * QK;
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar && scale.size(0) == N, "bad q8 weight");
-  const int8_t* W = w.data_ptr<int8_t>();
-  const float* S = scale.data_ptr<float>();
-  return run<2>(x, N, K, 4 * K, bias, [&](auto mr, int64_t t, const int8_t* xq, const float* ds, float* s) {
-    q8_tile<decltype(mr)::value>(W + t * 4 * K, K, xq, ds, s);
-    for (int i = 0; i < 4 * decltype(mr)::value; ++i) s[i] *= S[4 * t + i % 4];
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 136, "bad q8 weight");
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  return run(x, N, K, 4 * K, bias, [&](int64_t t, const int8_t* xq, const float* ds, float* sums) {
+    q8_tile(W + t * K / QK * 136, K, xq, ds, sums);
   });
 }
 
@@ -183,8 +161,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const int64_t N = w.size(0) * 4, K = w.size(1) * 2 * QK;
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 160, "bad q4 weight");
   const uint8_t* W = w.data_ptr<uint8_t>();
-  return run<1>(x, N, K, 4 * K * 5 / 8, bias, [&](auto mr, int64_t t, const int8_t* xq, const float* ds, float* s) {
-    q4_tile<decltype(mr)::value>(W + t * K / 64 * 160, K, xq, ds, s);
+  return run(x, N, K, 4 * K * 5 / 8, bias, [&](int64_t t, const int8_t* xq, const float* ds, float* sums) {
+    q4_tile(W + t * K / 64 * 160, K, xq, ds, sums);
   });
 }
 

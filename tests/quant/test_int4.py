@@ -1,0 +1,125 @@
+"""Int4Linear against the float matmul, within bounds derived from the quantization steps, and quantize_model("int4")
+on a tiny random Transformer against the float model."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fastdecode.config import ModelConfig
+from fastdecode.models.transformer import Transformer
+from fastdecode.quant import Int4Linear, Int8Linear, quantize_model, weight_bytes
+from fastdecode.quant.int4 import dequantize_groupwise, native_fits, quantize_groupwise
+
+NATIVE = pytest.param("native", marks=pytest.mark.skipif(not native_fits(4, 64, 32), reason="no AVX2 kernels"))
+CASES = [("aten", 32), ("aten", 64), ("aten", 128), (NATIVE, 32)]
+
+
+def step_bound(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per weight, the worst |w - w_hat|: half a step, plus the fp16 rounding of the group's scale and min."""
+    _, scale, mn = quantize_groupwise(w, group_size)
+    per_group = 0.5 * scale + 15 * scale * 2**-11 + mn.abs() * 2**-11
+    return per_group.repeat_interleave(group_size, dim=1)
+
+
+def test_dequantized_weight_within_half_step():
+    w = torch.randn(64, 256)
+    assert ((dequantize_groupwise(*quantize_groupwise(w, 32)) - w).abs() <= step_bound(w, 32)).all()
+
+
+@pytest.mark.parametrize("backend,group_size", CASES)
+@pytest.mark.parametrize("m", [1, 3, 16, 70])
+def test_output_within_quantization_step_of_float_matmul(backend, group_size, m):
+    torch.manual_seed(m)
+    w, b = torch.randn(96, 256) * 0.05, torch.randn(96)
+    layer = Int4Linear.from_weight(w, b, group_size, backend=backend)
+    x = torch.randn(m, 256)
+    bound = x.abs() @ step_bound(w, group_size).T + 1e-4 * (x.abs() @ w.abs().T)
+    if backend == "native":  # x rounded to int8 in blocks of 32: at most half a step (amax / 127) per element
+        half_step = (x.reshape(m, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 32).reshape(x.shape)
+        bound = bound + half_step @ dequantize_groupwise(*quantize_groupwise(w, 32)).abs().T
+    assert ((layer(x) - (x @ w.T + b)).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("backend", ["aten", NATIVE])
+def test_batched_and_bfloat16_inputs(backend):
+    layer = Int4Linear.from_weight(torch.randn(32, 64), group_size=32, backend=backend)
+    x = torch.randn(2, 5, 64)
+    y = layer(x)
+    assert y.shape == (2, 5, 32)
+    assert torch.allclose(y[1, 3], layer(x[1, 3:4])[0], atol=1e-5)
+    yb = layer(x.bfloat16())
+    assert yb.dtype == torch.bfloat16 and torch.allclose(yb.float(), y, rtol=0.05, atol=0.3)
+
+
+def test_native_weight_bytes_are_five_bits_a_weight_plus_float_bias():
+    if not native_fits(32, 64, 32):
+        pytest.skip("no AVX2 kernels")
+    layer = Int4Linear.from_linear(nn.Linear(64, 32, bias=True), group_size=32, backend="native")
+    assert layer.bias.dtype == torch.float32
+    assert layer.weight_bytes() == 32 * 64 // 2 + 32 * 2 * 2 * 2 + 32 * 4  # nibbles, fp16 scale and min per 32, bias
+
+
+def tiny_model(tied: bool) -> Transformer:
+    torch.manual_seed(0)
+    config = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)
+    model = Transformer(config).eval()
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    model.setup_cache(64, batch=tokens.shape[0])
+    with torch.no_grad():
+        return model(tokens, start=0, all_logits=True)
+
+
+@pytest.mark.parametrize("backend", ["aten", NATIVE])
+def test_quantized_model_agrees_with_float_model(backend):
+    model = tiny_model(tied=False)
+    tokens = torch.randint(0, 128, (4, 32))
+    ref = logits(model, tokens)
+    quantized = quantize_model(copy.deepcopy(model), "int4", backend=backend, lm_head_scheme="int4")
+    assert not any(type(m) is nn.Linear for m in quantized.modules())
+    out = logits(quantized, tokens)
+    # A random untied model has close top-2 logits; 4-bit noise (~6.5% of the logits) flips about one in ten.
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
+    assert (out - ref).norm() / ref.norm() < 0.1
+    assert weight_bytes(quantized) < weight_bytes(model) / 5
+
+
+@pytest.mark.parametrize("backend,atol", [("aten", 1e-4), (NATIVE, 0.05)])
+def test_quantized_model_equals_float_model_with_dequantized_weights(backend, atol):
+    # The float model's error comes only from the weights (and, native, int8 activations), not from the kernel.
+    model = tiny_model(tied=False)
+    dequantized = copy.deepcopy(model)
+    for m in dequantized.modules():
+        if isinstance(m, nn.Linear):
+            m.weight.data = dequantize_groupwise(*quantize_groupwise(m.weight, 32))
+    tokens = torch.randint(0, 128, (2, 16))
+    ref = logits(dequantized, tokens)
+    out = logits(quantize_model(model, "int4", backend=backend, lm_head_scheme="int4"), tokens)
+    assert (out - ref).abs().max() <= atol * ref.abs().max()
+
+
+@pytest.mark.parametrize("head", ["int4", "int8"])
+def test_tied_lm_head_is_quantized_and_the_embedding_is_not(head):
+    model = tiny_model(tied=True)
+    table = model.embed_tokens.weight.detach().clone()
+    tokens = torch.randint(0, 128, (2, 16))
+    ref = logits(model, tokens)
+    quantize_model(model, "int4", lm_head_scheme=head)
+    assert isinstance(model.lm_head, Int4Linear if head == "int4" else Int8Linear)
+    assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)
+    assert model.embed_tokens.weight.dtype == torch.float32 and torch.equal(model.embed_tokens.weight, table)
+    out = logits(model, tokens)
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9  # tied: the token's own row dominates
+    assert (out - ref).norm() / ref.norm() < 0.1
+
+
+def test_shapes_no_kernel_takes_stay_float():
+    model = nn.Sequential(nn.Linear(64, 10), nn.Linear(10, 64))  # out 10: neither int4 kernel; in 10: not a group
+    quantize_model(model, "int4")
+    assert all(type(m) is nn.Linear for m in model)
