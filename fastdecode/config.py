@@ -161,6 +161,8 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=[meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else [],
         )
+        if family != "gemma3":
+            c.rope_local_base_freq = c.rope_theta  # only Gemma 3's windowed layers have their own base
         if family == "qwen2":
             c.attention_bias = True
         if family == "gemma3":
