@@ -9,7 +9,7 @@ import torch
 
 from fastdecode.engine.sampling import Sampler
 
-PREFILL_CHUNK = 512  # long prompts are prefilled in pieces so attention scratch stays bounded
+PREFILL_CHUNK = 1024  # long prompts are prefilled in pieces so attention scratch stays bounded
 
 
 @dataclass

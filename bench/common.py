@@ -1,0 +1,78 @@
+"""Helpers shared by the benchmarks: run statistics, machine description, JSON and markdown writers."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def stats(runs: list[float]) -> dict:
+    """Min/median/max of the timed runs, the runs kept as measured (in order) so drift stays visible."""
+    if not runs:
+        return {"min": None, "median": None, "max": None, "runs": []}
+    return {"min": min(runs), "median": statistics.median(runs), "max": max(runs), "runs": list(runs)}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def machine() -> dict:
+    import torch
+
+    flags = cpu_flags()
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+           if f in flags]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "isa": isa, "torch": torch.__version__,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "python": platform.python_version(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "load_avg_1m_at_start": load}
+
+
+def command_line() -> str:
+    return shlex.join([Path(sys.executable).name, *sys.argv])
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(value, spec: str = ".1f", missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def fmt_range(s: dict, spec: str = ".1f") -> str:
+    """'median (min-max)' of a stats() dict."""
+    if not s or s.get("median") is None:
+        return "-"
+    if len(s["runs"]) == 1:
+        return format(s["median"], spec)
+    return f"{s['median']:{spec}} ({s['min']:{spec}}-{s['max']:{spec}})"
