@@ -44,7 +44,8 @@ LLAMA_CMAKE_ARGS ?= $(if $(shell grep -m1 -ow amx_tile /proc/cpuinfo 2>/dev/null
 	-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF,-DGGML_NATIVE=ON)
 
-$(VENV)/.bench-installed: $(VENV)/.installed
+# Order-only on the install: a newer pyproject.toml reinstalls fastdecode, not llama.cpp.
+$(VENV)/.bench-installed: | $(VENV)/.installed
 	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) from source with CMAKE_ARGS=$(strip $(LLAMA_CMAKE_ARGS))"
 	# --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and would hand back a wheel built with other flags.
 	CMAKE_ARGS="$(strip $(LLAMA_CMAKE_ARGS))" $(PIP) install --no-cache-dir --no-binary llama-cpp-python \

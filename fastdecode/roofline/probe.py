@@ -15,16 +15,14 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from fastdecode.loading.catalog import fastdecode_home
+
 
 LARGE_BYTES = 1 << 30  # far beyond any L3: DRAM bandwidth
 WORKING_SET_BYTES = 96 * 10**6  # SmolLM2-135M in Q4_1 reads ~97 MB per token
 MIN_SAMPLE_BYTES = 32 * 10**6
 CACHE_VERSION = 1
 MAX_AGE_S = 24 * 3600  # machines drift; a day-old probe is measured again
-
-
-def fastdecode_home() -> Path:
-    return Path(os.environ.get("FASTDECODE_HOME") or Path.home() / ".cache" / "fastdecode")
 
 
 @contextmanager

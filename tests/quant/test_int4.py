@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from fastdecode.config import ModelConfig
-from fastdecode.models.transformer import Transformer
 from fastdecode.quant import Int4Linear, Int8Linear, quantize_model, weight_bytes
 from fastdecode.quant.int4 import dequantize_groupwise, native_fits, quantize_groupwise
+from tests.helpers.tiny import logits, tiny_model
 
 NATIVE = pytest.param("native", marks=pytest.mark.skipif(not native_fits(4, 64, 32), reason="no AVX2 kernels"))
 CASES = [("aten", 32), ("aten", 64), ("aten", 128), (NATIVE, 32)]
@@ -58,22 +57,6 @@ def test_native_weight_bytes_are_five_bits_a_weight_plus_float_bias():
     layer = Int4Linear.from_linear(nn.Linear(64, 32, bias=True), group_size=32, backend="native")
     assert layer.bias.dtype == torch.float32
     assert layer.weight_bytes() == 32 * 64 // 2 + 32 * 2 * 2 * 2 + 32 * 4  # nibbles, fp16 scale and min per 32, bias
-
-
-def tiny_model(tied: bool) -> Transformer:
-    torch.manual_seed(0)
-    config = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)
-    model = Transformer(config).eval()
-    if tied:
-        model.lm_head.weight = model.embed_tokens.weight
-    return model
-
-
-def logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    model.setup_cache(64, batch=tokens.shape[0])
-    with torch.no_grad():
-        return model(tokens, start=0, all_logits=True)
 
 
 @pytest.mark.parametrize("backend", ["aten", NATIVE])

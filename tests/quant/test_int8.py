@@ -7,10 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from fastdecode.config import ModelConfig
-from fastdecode.models.transformer import Transformer
 from fastdecode.quant import Int8Linear, quantize_model, weight_bytes
 from fastdecode.quant.int8 import dequantize_blockwise, native_fits, quantize_blockwise, quantize_per_channel
+from tests.helpers.tiny import logits, tiny_model
 
 NATIVE = pytest.mark.skipif(not native_fits(4, 32), reason="no AVX2 kernels")
 BACKENDS = ["aten", pytest.param("native", marks=NATIVE)]
@@ -81,22 +80,6 @@ def test_bias_stays_float32_and_weight_bytes_count_int8_and_scales(backend, scal
     layer = Int8Linear.from_linear(nn.Linear(64, 32, bias=True), backend=backend)
     assert layer.bias.dtype == torch.float32
     assert layer.weight_bytes() == 32 * 64 + scale_bytes + 32 * 4  # int8 weight, its scales, float bias
-
-
-def tiny_model(tied: bool) -> Transformer:
-    torch.manual_seed(0)
-    config = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)
-    model = Transformer(config).eval()
-    if tied:
-        model.lm_head.weight = model.embed_tokens.weight
-    return model
-
-
-def logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    model.setup_cache(64, batch=tokens.shape[0])
-    with torch.no_grad():
-        return model(tokens, start=0, all_logits=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
