@@ -37,6 +37,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
 
 void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
   float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
   const float r = 1.f / std::sqrt(ss / n + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
@@ -66,6 +67,7 @@ void attention(const float* q, const float* k, const float* v, int64_t H, int64_
       for (int64_t j = 0; j < L; ++j) {
         const float* kj = kh + (start + j) * hd;
         float s = 0.f;
+#pragma omp simd reduction(+ : s)  // a float reduction only vectorizes when told it may reorder
         for (int64_t i = 0; i < hd; ++i) s += qh[i] * kj[i];
         p[j] = s * scale;
         mx = std::max(mx, p[j]);
