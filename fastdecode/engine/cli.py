@@ -5,6 +5,7 @@ import json
 import sys
 
 import click
+import torch
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
@@ -120,14 +121,13 @@ def speed_report(llm, t: Timings) -> Table:
     """Measured speeds beside the decode ceiling: this machine's read bandwidth / bytes read per token."""
     from fastdecode.roofline.probe import cached_probe
 
-    weights = llm.weight_bytes_per_token()
-    per_token = weights + llm.kv_bytes_per_token(t.prompt_tokens + t.output_tokens // 2)
+    per_token = llm.weight_bytes_per_token() + llm.kv_bytes_per_token(t.prompt_tokens + t.output_tokens // 2)
     err.print("[dim]measuring memory bandwidth (cached for a day)...[/dim]")
-    probe = cached_probe(per_token, torch_threads())
+    probe = cached_probe(per_token, torch.get_num_threads())
     bandwidth = probe["working_set_gb_s"] * 1e9
     ceiling = bandwidth / per_token
     table = Table(title=f"{llm.name} | {llm.dtype}{'' if not llm.quant else ' + ' + llm.quant} | "
-                        f"{'native C++ decode' if llm.decoder else 'PyTorch decode'} | {torch_threads()} threads")
+                        f"{'native C++ decode' if llm.decoder else 'PyTorch decode'} | {torch.get_num_threads()} threads")
     table.add_column("measure")
     table.add_column("value", justify="right")
     for name, value in [
@@ -141,12 +141,6 @@ def speed_report(llm, t: Timings) -> Table:
     ]:
         table.add_row(name, value)
     return table
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 @click.command()

@@ -9,6 +9,7 @@ from torch import nn
 
 from fastdecode.quant.int4 import Int4Linear
 from fastdecode.quant.int8 import Int8Linear
+from fastdecode.quant.linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the matmul weights one forward reads: quantized modules' own count, float nn.Linear weights as is."""
     total = 0
     for m in model.modules():
-        if isinstance(m, (Int8Linear, Int4Linear)):
+        if isinstance(m, QuantLinear):
             total += m.weight_bytes()
         elif isinstance(m, nn.Linear):
             total += m.weight.numel() * m.weight.element_size()

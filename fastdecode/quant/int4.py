@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fastdecode.quant.kernels import native_ops
+from fastdecode.quant.linear import QuantLinear
 
 
 def quantize_groupwise(w: torch.Tensor, group_size: int = 32):
@@ -59,7 +60,9 @@ def aten_fits(out_features: int, in_features: int, group_size: int) -> bool:
     return group_size in (32, 64, 128, 256) and in_features % group_size == 0 and out_features % 16 == 0
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantLinear):
+    native_op = "q4_linear"
+
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, group_size: int, backend: str):
         super().__init__()
         self.out_features, self.in_features = w.shape
@@ -89,18 +92,8 @@ class Int4Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, group_size: int = 32, backend: str | None = None):
         return cls.from_weight(linear.weight, linear.bias, group_size, backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "native":
-            y = native_ops().q4_linear(x, self.qweight, self.bias)
-            return y if x.dtype == torch.float32 else y.to(x.dtype)
-        x2d = x.reshape(-1, self.in_features).float()  # (B*T, K)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size, self.scales_and_zeros)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-
-    def weight_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+    def aten_mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size, self.scales_and_zeros)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}, "

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fastdecode.quant.kernels import native_ops
+from fastdecode.quant.linear import QuantLinear
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +48,9 @@ def native_fits(out_features: int, in_features: int) -> bool:
     return native_ops() is not None and out_features % 4 == 0 and in_features % 32 == 0
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(QuantLinear):
+    native_op = "q8_linear"
+
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, backend: str):
         super().__init__()
         self.out_features, self.in_features = w.shape
@@ -70,18 +73,8 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, backend: str | None = None):
         return cls.from_weight(linear.weight, linear.bias, backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "native":
-            y = native_ops().q8_linear(x, self.qweight, self.bias)
-            return y if x.dtype == torch.float32 else y.to(x.dtype)
-        x2d = x.reshape(-1, self.in_features).float()  # (B*T, K)
-        y = torch.ops.aten._weight_int8pack_mm(x2d, self.weight, self.scale)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-
-    def weight_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+    def aten_mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2d, self.weight, self.scale)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, backend={self.backend}"
