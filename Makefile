@@ -57,3 +57,14 @@ bench-deps: $(VENV)/.bench-installed
 
 bench: bench-deps
 	$(PY) bench/decode.py --threads $(THREADS)
+
+# The speed lab on the embedded model: a sequential pass and a concurrency sweep over two prompts of each coding-agent
+# category, through `fastdecode serve`; writes an HTML report and a JSON summary (docs/lab.md).
+LAB_SERVE_ARGS ?= --quant int4 --threads $(THREADS)
+LAB_OUT ?= bench/results
+.PHONY: lab
+lab: install
+	$(FASTDECODE) pull smollm2-135m
+	$(FASTDECODE) bench -m smollm2-135m --serve-arg "$(LAB_SERVE_ARGS)" --mode sequential --mode sweep \
+		--concurrency 1,2,4 --requests-per-user 1 --per-category 2 --max-tokens 128 --label "make lab" \
+		--report $(LAB_OUT)/lab.html --json $(LAB_OUT)/lab.json $(LAB_ARGS)

@@ -35,3 +35,17 @@ from fastdecode.roofline.cli import probe_command, roofline_command  # noqa: E40
 
 main.add_command(roofline_command)
 main.add_command(probe_command)
+
+from fastdecode.eval.cli import eval_command  # noqa: E402
+from fastdecode.quant.cli import quantize_command  # noqa: E402
+
+main.add_command(quantize_command)
+main.add_command(eval_command)
+
+from fastdecode.lab.cli import bench_command  # noqa: E402
+
+main.add_command(bench_command)
+
+from fastdecode.server.cli import serve  # noqa: E402
+
+main.add_command(serve)

@@ -24,12 +24,16 @@ def model_options(f):
                      help="Registered name (see `fastdecode models`), GGUF file or Hugging Face directory."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
                      show_default=True, help="Precision of the weights held in memory."),
-        click.option("--quant", type=click.Choice(["none", "int8", "int4"]), default="none", show_default=True,
-                     help="Weight-only quantization applied after loading."),
+        click.option("--quant", type=click.Choice(["none", "int8", "int4", "mxfp4", "nvfp4", "gguf"]), default="none",
+                     show_default=True, help="Weight-only quantization applied after loading (gguf: keep the file's "
+                                             "own Q8_0/Q4_0/Q4_1 blocks)."),
         click.option("--group-size", type=int, default=32, show_default=True, help="Group size for int4."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's)."),
         click.option("--max-seq-len", type=click.IntRange(min=16), default=4096, show_default=True,
                      help="KV-cache length: prompt plus output tokens."),
+        click.option("--speculate", default="auto", show_default=True,
+                     help="Speculative decoding: none, ngram, suffix, layerskip, draft:MODEL or auto (lossless; "
+                          "adapts the draft length, down to plain decoding, to what is accepted)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -54,11 +58,11 @@ def sampling_options(f):
     return f
 
 
-def build_llm(model, dtype, quant, group_size, threads, max_seq_len):
+def build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate="none"):
     from fastdecode.engine.llm import LLM
 
     return LLM(model, dtype=dtype, quant=None if quant == "none" else quant, group_size=group_size,
-               threads=threads, max_seq_len=max_seq_len,
+               threads=threads, max_seq_len=max_seq_len, speculate=speculate,
                progress=lambda items: track(items, description="loading weights", console=err, transient=True),
                log=lambda msg: err.print(f"[dim]{msg}[/dim]"))
 
@@ -70,9 +74,14 @@ def sampling_params(kw) -> SamplingParams:
                           seed=kw["seed"], stop=list(kw["stop"]))
 
 
-def speed_line(t: Timings) -> str:
-    return (f"{t.output_tokens} tokens | TTFT {t.ttft_s * 1000:.0f} ms | prefill {t.prompt_tokens} tok at "
+def speed_line(t: Timings, speculation: dict | None = None) -> str:
+    line = (f"{t.output_tokens} tokens | TTFT {t.ttft_s * 1000:.0f} ms | prefill {t.prompt_tokens} tok at "
             f"{t.prefill_tok_s:.0f} tok/s | decode {t.output_tok_s:.1f} tok/s")
+    if speculation:
+        s = speculation
+        line += (f" | {s['drafter']}: accepted {s['accepted']}/{s['drafted']} drafted "
+                 f"({100 * s['acceptance_rate']:.0f}%), {s['tokens_per_step']:.2f} tokens per forward")
+    return line
 
 
 def stream_to_stdout(chunks):
@@ -94,13 +103,13 @@ def stream_to_stdout(chunks):
 @click.option("--system", default=None, help="System message (with --chat).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--speed-table", is_flag=True, help="After the answer, a table of speeds against this machine's roofline.")
-def generate(model, dtype, quant, group_size, threads, max_seq_len, prompt, as_chat, system, as_json, speed_table,
-             **kw):
+def generate(model, dtype, quant, group_size, threads, max_seq_len, speculate, prompt, as_chat, system, as_json,
+             speed_table, **kw):
     """Generate a completion for one prompt, streaming it, then print a line of speed figures."""
     params = sampling_params(kw)
     if prompt == "-":
         prompt = sys.stdin.read()
-    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len)
+    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate)
     if as_chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         prompt_ids = llm.chat_prompt(messages)
@@ -112,7 +121,7 @@ def generate(model, dtype, quant, group_size, threads, max_seq_len, prompt, as_c
         click.echo(json.dumps(out))
         return
     completion = stream_to_stdout(llm.stream(prompt_ids, params))
-    err.print(f"[cyan]{speed_line(completion.timings)}[/cyan]")
+    err.print(f"[cyan]{speed_line(completion.timings, completion.speculation)}[/cyan]")
     if speed_table:
         err.print(speed_report(llm, completion.timings))
 
@@ -147,10 +156,10 @@ def speed_report(llm, t: Timings) -> Table:
 @model_options
 @sampling_options
 @click.option("--system", default=None, help="System message.")
-def chat(model, dtype, quant, group_size, threads, max_seq_len, system, **kw):
+def chat(model, dtype, quant, group_size, threads, max_seq_len, speculate, system, **kw):
     """Interactive chat with streaming output. /reset clears the conversation, /exit quits."""
     params = sampling_params(kw)
-    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len)
+    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate)
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     err.print(f"[dim]{llm.name}: /reset clears the conversation, /exit quits[/dim]")
@@ -175,7 +184,7 @@ def chat(model, dtype, quant, group_size, threads, max_seq_len, system, **kw):
             err.print(f"[red]error: {e}[/red]")
             continue
         messages.append({"role": "assistant", "content": completion.text})
-        err.print(f"[cyan]{speed_line(completion.timings)}[/cyan]")
+        err.print(f"[cyan]{speed_line(completion.timings, completion.speculation)}[/cyan]")
 
 
 @click.command("pull")

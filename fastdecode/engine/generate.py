@@ -63,12 +63,13 @@ def generate_tokens(model, prompt_ids: list[int], sampler: Sampler, max_tokens: 
     step = torch.empty((1, 1), dtype=torch.long)
     pos = len(prompt_ids)
     for n in range(1, max_tokens + 1):
-        sampler.accept(token)
+        sampler.accept(token, logits)
         timings.output_tokens = n
         timings.decode_s = time.perf_counter() - t_first
         yield token
         if token in stop_ids or n == max_tokens:
             return
         step[0, 0] = token
-        token = sampler.sample(decode(step, pos))
+        logits = decode(step, pos)
+        token = sampler.sample(logits)
         pos += 1

@@ -16,6 +16,7 @@ from fastdecode.errors import InvalidRequestError
 from fastdecode.kernels.decoder import native_decoder
 from fastdecode.loading import load_model, load_tokenizer
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
+from fastdecode.speculative import build_speculator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,23 +28,29 @@ class Completion:
     prompt_token_ids: list[int]
     finish_reason: str  # "stop" (end-of-sequence token or stop string) or "length"
     timings: Timings
+    speculation: dict | None = None  # SpeculationStats.as_dict() when a drafter ran
+    logprobs: list[dict] | None = None  # per output token, when SamplingParams.logprobs is set
 
     def as_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_token_ids),
-                "finish_reason": self.finish_reason, "timings": self.timings.as_dict()}
+        out = {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_token_ids),
+               "finish_reason": self.finish_reason, "timings": self.timings.as_dict()}
+        if self.speculation is not None:
+            out["speculation"] = self.speculation
+        return out
 
 
 @dataclass
 class StreamChunk:
     text: str  # new text since the previous chunk (may be empty while a UTF-8 character is incomplete)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None  # for token_ids, when SamplingParams.logprobs is set
     completion: Completion | None = None  # set on the last chunk
 
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", quant: str | None = None,
                  group_size: int = 32, threads: int | None = None, max_seq_len: int = 4096, native: bool = True,
-                 progress=None, log=lambda *a: None):
+                 speculate: str = "none", progress=None, log=lambda *a: None):
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         if threads:
@@ -62,6 +69,8 @@ class LLM:
         self.model.setup_cache(self.max_seq_len)
         self.decoder = native_decoder(self.model) if native else None  # None: PyTorch's forward decodes
         self.lock = threading.Lock()  # one request at a time owns the KV cache
+        self.speculate = speculate
+        self.speculator = build_speculator(speculate, self, log=log)  # None: plain decode
 
     # ---- prompts -----------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -75,7 +84,10 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- generation --------------------------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               logits_processor=None) -> Iterator[StreamChunk]:
+        """Yields a chunk per output token and a last chunk carrying the Completion. `logits_processor`: see Sampler.
+        Closing the iterator early (a client went away) ends the request and frees the cache."""
         params = params or SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
@@ -84,24 +96,33 @@ class LLM:
                 f"of {self.max_seq_len} tokens")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-        timings, output, finish = Timings(), [], "length"
+        timings, output, finish, stats = Timings(), [], "length", None
         with self.lock:
-            sampler = Sampler(params, self.config.vocab_size, prompt_ids)
-            for token in generate_tokens(self.model, prompt_ids, sampler, params.max_tokens, stop_ids, timings,
-                                         self.decoder):
+            sampler = Sampler(params, self.config.vocab_size, prompt_ids, logits_processor)
+            if self.speculator is not None and params.max_tokens > 1:
+                tokens, stats = self.speculator.generate_tokens(prompt_ids, sampler, params.max_tokens, stop_ids,
+                                                                timings)
+            else:
+                tokens = generate_tokens(self.model, prompt_ids, sampler, params.max_tokens, stop_ids, timings,
+                                         self.decoder)
+            for i, token in enumerate(tokens):
                 if token in stop_ids:
                     finish = "stop"
                     break
                 output.append(token)
+                logprobs = sampler.logprobs[i:i + 1] if params.logprobs is not None else None
                 delta = detok.add(token)
                 if detok.stopped:
                     finish = "stop"
                     if delta:
-                        yield StreamChunk(delta, [token])
+                        yield StreamChunk(delta, [token], logprobs)
                     break
-                yield StreamChunk(delta, [token])
+                yield StreamChunk(delta, [token], logprobs)
         tail = "" if detok.stopped else detok.flush()
-        yield StreamChunk(tail, [], Completion(detok.text, output, prompt_ids, finish, timings))
+        completion = Completion(detok.text, output, prompt_ids, finish, timings,
+                                stats.as_dict() if stats is not None else None,
+                                sampler.logprobs[:len(output)] if params.logprobs is not None else None)
+        yield StreamChunk(tail, [], None, completion)
 
     def generate(self, prompts: str | list[int] | list[str], params: SamplingParams | None = None):
         """One prompt (text or token ids) -> Completion; a list of text prompts -> list of Completion."""
@@ -113,8 +134,9 @@ class LLM:
     def chat(self, messages: list[dict], params: SamplingParams | None = None, tools=None) -> Completion:
         return self.generate(self.chat_prompt(messages, tools), params)
 
-    def chat_stream(self, messages: list[dict], params: SamplingParams | None = None, tools=None):
-        return self.stream(self.chat_prompt(messages, tools), params)
+    def chat_stream(self, messages: list[dict], params: SamplingParams | None = None, tools=None,
+                    logits_processor=None):
+        return self.stream(self.chat_prompt(messages, tools), params, logits_processor)
 
     # ---- accounting --------------------------------------------------------------------------------------------
     def weight_bytes_per_token(self) -> int:

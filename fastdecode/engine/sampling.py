@@ -8,6 +8,9 @@ import torch
 
 from fastdecode.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MIN_TEMPERATURE = 1e-3  # logits / temperature must stay finite in float32; callers map smaller values to greedy
+
 
 @dataclass
 class SamplingParams:
@@ -23,20 +26,24 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # benchmarks decode a fixed number of tokens
+    logprobs: int | None = None  # None: none; n: each output token's log-probability and its n most likely rivals
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         checks = [
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer >= 1"),
-            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
+            (math.isfinite(self.temperature) and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature),
+             f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (0.01 <= self.repetition_penalty <= 100, "repetition_penalty must be in [0.01, 100]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be an integer in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -52,24 +59,46 @@ class SamplingParams:
 
 
 class Sampler:
-    """Per-request sampling state: output token counts for the penalties and a seeded generator."""
+    """Per-request sampling state: the output so far (for penalties and logits processors) and a seeded generator.
 
-    def __init__(self, params: SamplingParams, vocab_size: int, prompt_ids: list[int]):
+    A logits processor is a callable (output_ids, logits) -> logits that masks or shifts logits before sampling,
+    e.g. a JSON grammar; it sees exactly the tokens accepted so far, in plain and in speculative decoding alike."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, prompt_ids: list[int], logits_processor=None):
         self.params = params
+        self.logits_processor = logits_processor
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # prompt or output, for repetition_penalty
         self.counts = torch.zeros(vocab_size, dtype=torch.float32)  # output only, for presence/frequency
+        self.output: list[int] = []
+        self.logprobs: list[dict] = []  # one entry per accepted token when params.logprobs is set
         if params.repetition_penalty != 1 and prompt_ids:
             self.seen[torch.tensor(prompt_ids)] = True
 
-    def accept(self, token: int):
+    def accept(self, token: int, logits: torch.Tensor | None = None):
+        """Appends a token to the output; `logits` (vocab,), the model's raw logits it was drawn from, records its
+        log-probability when asked for."""
         self.seen[token] = True
         self.counts[token] += 1
+        self.output.append(token)
+        if self.params.logprobs is not None and logits is not None:
+            logprobs = torch.log_softmax(logits.float(), -1)
+            top = torch.topk(logprobs, self.params.logprobs) if self.params.logprobs else None
+            self.logprobs.append({"token_id": token, "logprob": float(logprobs[token]),
+                                  "top": [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))})
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that reshapes logits: the argmax of the raw logits is the token."""
+        return self.params.greedy and not self.params.penalised and self.logits_processor is None
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalties, temperature and truncation applied to float32 logits (vocab,); -inf marks removed tokens."""
+        """Processor, penalties, temperature and truncation applied to float32 logits (vocab,); -inf marks removed
+        tokens."""
         p = self.params
         logits = logits.float()
+        if self.logits_processor is not None:
+            logits = self.logits_processor(self.output, logits)
         if p.repetition_penalty != 1:
             penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
             logits = torch.where(self.seen, penalised, logits)
@@ -100,7 +129,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits (vocab,) -> next token id."""
-        if self.params.greedy and not self.params.penalised:
+        if self.plain_greedy:
             return int(logits.argmax())
         logits = self.process(logits)
         if self.params.greedy:

@@ -7,14 +7,14 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 }  // namespace fastdecode
 
-at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights, int64_t pos,
-                         const at::Tensor& rope_global, const at::Tensor& rope_local,
-                         const std::vector<int64_t>& windows, int64_t H, int64_t K, int64_t hd, double eps,
-                         double attn_scale, bool sandwich, bool gelu);
+at::Tensor forward_layers(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
+                          int64_t slot0, const at::Tensor& tree_mask, const at::Tensor& rope_global,
+                          const at::Tensor& rope_local, const std::vector<int64_t>& windows, int64_t H, int64_t K,
+                          int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W int8 packed (N/4, K/32, 136) with fp16 block scales");
   m.def("q4_linear", &fastdecode::q4_linear,
         "y = x @ W.T + bias, W 4-bit packed (N/4, K/64, 160) with fp16 scales and mins");
-  m.def("decode_layers", &decode_layers, "one token through every layer (see decode_step.cpp)");
+  m.def("forward_layers", &forward_layers, "new tokens (a decode step or a draft tree) through every layer (see decode_step.cpp)");
 }

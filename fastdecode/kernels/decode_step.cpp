@@ -1,4 +1,4 @@
-// One decode step (one token, batch 1, float32 activations) through every layer, in C++.
+// One decode step or one verify step (T new tokens, batch 1, float32 activations) through every layer, in C++.
 //
 // At one token the matmuls are small and PyTorch's per-op dispatch (~40 ops and 10 module calls per layer from
 // Python) costs more than the arithmetic around them. Here a layer is: RMSNorm, one packed qkv matmul, q/k norm,
@@ -53,33 +53,52 @@ void rotary(float* x, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
-// q (H, hd) against cache positions [start, end) of k, v (K, S, hd) -> out (H, hd). Heads run in parallel.
-void attention(const float* q, const float* k, const float* v, int64_t H, int64_t K, int64_t S, int64_t hd,
-               int64_t start, int64_t end, float scale, float* out) {
-  const int64_t group = H / K, L = end - start;
-  at::parallel_for(0, H, L * hd >= 16384 ? 1 : H, [&](int64_t h0, int64_t h1) {
-    std::vector<float> p(L);
-    for (int64_t h = h0; h < h1; ++h) {
-      const float* qh = q + h * hd;
+// Queries q (T, H, hd) of the new tokens against the cache k, v (K, S, hd) -> out (T, H, hd). Token t sees the
+// cache slots [first_t, slot0), which hold positions 0..slot0-1 in order, and the new tokens j (in slots slot0 + j)
+// that the tree mask allows (mask (T, T), row t: its ancestors and itself; null means a causal chain) and that lie
+// inside the sliding window. (token, head) pairs run in parallel.
+void attention(const float* q, const float* k, const float* v, int64_t T, int64_t H, int64_t K, int64_t S,
+               int64_t hd, int64_t slot0, const int64_t* positions, const bool* mask, int64_t window, float scale,
+               float* out) {
+  const int64_t group = H / K;
+  at::parallel_for(0, T * H, (slot0 + T) * hd * T * H >= 16384 ? 1 : T * H, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p;
+    std::vector<int64_t> fresh, slots;  // visible new tokens' slots; all visible slots
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / H, h = i % H, pos = positions[t];
+      const int64_t first = window ? std::min(slot0, std::max<int64_t>(0, pos - window + 1)) : 0;
+      fresh.clear();
+      for (int64_t j = 0; j < T; ++j) {
+        const bool visible = mask ? mask[t * T + j] : j <= t;
+        if (visible && (!window || pos - positions[j] < window)) fresh.push_back(slot0 + j);
+      }
+      const int64_t cached = slot0 - first, L = cached + fresh.size();
+      p.resize(L);
+      // One list of slots for both kinds: with two code paths GCC rounded a cached key differently from the same
+      // key as a new token, and a verify step must reproduce decode steps bit for bit (see tests/speculative).
+      slots.resize(L);
+      for (int64_t j = 0; j < cached; ++j) slots[j] = first + j;
+      std::copy(fresh.begin(), fresh.end(), slots.begin() + cached);
+      const float* qh = q + (t * H + h) * hd;
       const float* kh = k + (h / group) * S * hd;
       const float* vh = v + (h / group) * S * hd;
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < L; ++j) {
-        const float* kj = kh + (start + j) * hd;
+        const float* kj = kh + slots[j] * hd;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)  // a float reduction only vectorizes when told it may reorder
-        for (int64_t i = 0; i < hd; ++i) s += qh[i] * kj[i];
+        for (int64_t d = 0; d < hd; ++d) s += qh[d] * kj[d];
         p[j] = s * scale;
         mx = std::max(mx, p[j]);
       }
       float sum = 0.f;
       for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - mx));
-      float* oh = out + h * hd;
-      for (int64_t i = 0; i < hd; ++i) oh[i] = 0.f;
+      float* oh = out + (t * H + h) * hd;
+      for (int64_t d = 0; d < hd; ++d) oh[d] = 0.f;
       for (int64_t j = 0; j < L; ++j) {
         const float pj = p[j] / sum;
-        const float* vj = vh + (start + j) * hd;
-        for (int64_t i = 0; i < hd; ++i) oh[i] += pj * vj[i];
+        const float* vj = vh + slots[j] * hd;
+        for (int64_t d = 0; d < hd; ++d) oh[d] += pj * vj[d];
       }
     }
   });
@@ -91,68 +110,89 @@ inline float gelu_tanh(float x) {
 
 }  // namespace
 
-// x (1, D) float32 embedding of the token at `pos` -> (1, D) residual stream after the last layer (before the final
-// norm). rope_* are (2, S, hd) cos/sin tables; windows[l] is layer l's sliding window (0: attends to everything).
-at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights, int64_t pos,
-                         const at::Tensor& rope_global, const at::Tensor& rope_local,
-                         const std::vector<int64_t>& windows, int64_t H, int64_t K, int64_t hd, double eps,
-                         double attn_scale, bool sandwich, bool gelu) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == 1, "x must be (1, D) float32");
+// x (T, D) float32 embeddings of new tokens at `positions` (T,), written to cache slots slot0..slot0+T-1 ->
+// (T, D) residual stream after the last layer (before the final norm). One token is a decode step; several are a
+// chain or a token tree being verified (tree_mask (T, T) bool, empty for a causal chain). rope_* are (2, S, hd)
+// cos/sin tables; windows[l] is layer l's sliding window (0: attends to everything).
+at::Tensor forward_layers(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
+                          int64_t slot0, const at::Tensor& tree_mask, const at::Tensor& rope_global,
+                          const at::Tensor& rope_local, const std::vector<int64_t>& windows, int64_t H, int64_t K,
+                          int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (T, D) float32");
   TORCH_CHECK(weights.size() == windows.size() * SLOTS, "weights do not match the layer count");
+  const int64_t T = x.size(0), D = x.size(1), L = windows.size(), qn = H * hd, kn = K * hd;
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T && positions.is_contiguous(),
+              "positions must be (T,) int64");
+  const bool tree = present(tree_mask);
+  TORCH_CHECK(!tree || (tree_mask.scalar_type() == at::kBool && tree_mask.numel() == T * T &&
+                        tree_mask.is_contiguous()), "tree_mask must be (T, T) bool");
   x = x.contiguous().clone();
-  const int64_t D = x.size(1), L = windows.size(), qn = H * hd, kn = K * hd;
   float* X = x.data_ptr<float>();
-  at::Tensor h = at::empty({1, D}, x.options()), attn = at::empty({1, qn}, x.options());
+  const int64_t* P = positions.data_ptr<int64_t>();
+  const bool* M = tree ? tree_mask.data_ptr<bool>() : nullptr;
+  at::Tensor h = at::empty({T, D}, x.options()), attn = at::empty({T, qn}, x.options());
   float* Hs = h.data_ptr<float>();
   const float epsf = static_cast<float>(eps), scale = static_cast<float>(attn_scale);
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * SLOTS;
     const int64_t S = w[K_CACHE].size(2), window = windows[l];
-    TORCH_CHECK(pos < S, "position ", pos, " is past the cache of ", S);
+    TORCH_CHECK(slot0 + T <= S, "slot ", slot0 + T - 1, " is past the cache of ", S);
     const at::Tensor& rope = window ? rope_local : rope_global;
-    const float* cos = rope.data_ptr<float>() + pos * hd;
-    const float* sin = cos + rope.size(1) * hd;
 
-    rms_norm(X, w[IN_NORM].data_ptr<float>(), D, epsf, Hs);
-    at::Tensor qkv = linear(h, w[QKV_W], w[QKV_B]);
-    float* q = qkv.data_ptr<float>();
-    float* k = q + qn;
-    const float* v = k + kn;
+    for (int64_t t = 0; t < T; ++t) rms_norm(X + t * D, w[IN_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
+    at::Tensor qkv = linear(h, w[QKV_W], w[QKV_B]);  // (T, qn + 2 kn)
     float* kc = w[K_CACHE].data_ptr<float>();
     float* vc = w[V_CACHE].data_ptr<float>();
-    for (int64_t i = 0; i < H; ++i) {
-      if (present(w[Q_NORM])) rms_norm(q + i * hd, w[Q_NORM].data_ptr<float>(), hd, epsf, q + i * hd);
-      rotary(q + i * hd, cos, sin, hd);
+    at::Tensor qs = at::empty({T, qn}, x.options());
+    for (int64_t t = 0; t < T; ++t) {
+      float* q = qkv.data_ptr<float>() + t * (qn + 2 * kn);
+      float* k = q + qn;
+      const float* v = k + kn;
+      const float* cos = rope.data_ptr<float>() + P[t] * hd;
+      const float* sin = cos + rope.size(1) * hd;
+      for (int64_t i = 0; i < H; ++i) {
+        if (present(w[Q_NORM])) rms_norm(q + i * hd, w[Q_NORM].data_ptr<float>(), hd, epsf, q + i * hd);
+        rotary(q + i * hd, cos, sin, hd);
+      }
+      std::copy(q, q + qn, qs.data_ptr<float>() + t * qn);
+      for (int64_t g = 0; g < K; ++g) {
+        if (present(w[K_NORM])) rms_norm(k + g * hd, w[K_NORM].data_ptr<float>(), hd, epsf, k + g * hd);
+        rotary(k + g * hd, cos, sin, hd);
+        std::copy(k + g * hd, k + (g + 1) * hd, kc + (g * S + slot0 + t) * hd);
+        std::copy(v + g * hd, v + (g + 1) * hd, vc + (g * S + slot0 + t) * hd);
+      }
     }
-    for (int64_t g = 0; g < K; ++g) {
-      if (present(w[K_NORM])) rms_norm(k + g * hd, w[K_NORM].data_ptr<float>(), hd, epsf, k + g * hd);
-      rotary(k + g * hd, cos, sin, hd);
-      std::copy(k + g * hd, k + (g + 1) * hd, kc + (g * S + pos) * hd);
-      std::copy(v + g * hd, v + (g + 1) * hd, vc + (g * S + pos) * hd);
-    }
-    const int64_t start = window ? std::max<int64_t>(0, pos - window + 1) : 0;
-    attention(q, kc, vc, H, K, S, hd, start, pos + 1, scale, attn.data_ptr<float>());
+    attention(qs.data_ptr<float>(), kc, vc, T, H, K, S, hd, slot0, P, M, window, scale, attn.data_ptr<float>());
     at::Tensor o = linear(attn, w[O_W], w[O_B]);
     float* O = o.data_ptr<float>();
-    if (sandwich) {
-      rms_norm(O, w[POST_ATTN_NORM].data_ptr<float>(), D, epsf, O);
-      for (int64_t i = 0; i < D; ++i) X[i] += O[i];
-      rms_norm(X, w[PRE_FF_NORM].data_ptr<float>(), D, epsf, Hs);
-    } else {
-      for (int64_t i = 0; i < D; ++i) X[i] += O[i];
-      rms_norm(X, w[POST_ATTN_NORM].data_ptr<float>(), D, epsf, Hs);
+    for (int64_t t = 0; t < T; ++t) {
+      float* Xt = X + t * D;
+      float* Ot = O + t * D;
+      if (sandwich) {
+        rms_norm(Ot, w[POST_ATTN_NORM].data_ptr<float>(), D, epsf, Ot);
+        for (int64_t i = 0; i < D; ++i) Xt[i] += Ot[i];
+        rms_norm(Xt, w[PRE_FF_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
+      } else {
+        for (int64_t i = 0; i < D; ++i) Xt[i] += Ot[i];
+        rms_norm(Xt, w[POST_ATTN_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
+      }
     }
-    at::Tensor gu = linear(h, w[GU_W], w[GU_B]);
+    at::Tensor gu = linear(h, w[GU_W], w[GU_B]);  // (T, 2 I)
     const int64_t I = gu.size(1) / 2;
-    float* G = gu.data_ptr<float>();
-    for (int64_t i = 0; i < I; ++i) {
-      const float a = G[i];
-      G[i] = (gelu ? gelu_tanh(a) : a / (1.f + std::exp(-a))) * G[I + i];
+    for (int64_t t = 0; t < T; ++t) {
+      float* G = gu.data_ptr<float>() + t * 2 * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float a = G[i];
+        G[i] = (gelu ? gelu_tanh(a) : a / (1.f + std::exp(-a))) * G[I + i];
+      }
     }
     at::Tensor d = linear(gu.narrow(1, 0, I), w[DOWN_W], w[DOWN_B]);
     float* Dn = d.data_ptr<float>();
-    if (sandwich) rms_norm(Dn, w[POST_FF_NORM].data_ptr<float>(), D, epsf, Dn);
-    for (int64_t i = 0; i < D; ++i) X[i] += Dn[i];
+    for (int64_t t = 0; t < T; ++t) {
+      float* Dt = Dn + t * D;
+      if (sandwich) rms_norm(Dt, w[POST_FF_NORM].data_ptr<float>(), D, epsf, Dt);
+      for (int64_t i = 0; i < D; ++i) X[t * D + i] += Dt[i];
+    }
   }
   return x;
 }

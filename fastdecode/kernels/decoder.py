@@ -7,6 +7,7 @@ from torch import nn
 from fastdecode.kernels import native_ops
 
 EMPTY = torch.empty(0)
+SLOTS = 16  # tensors per layer, in decode_step.cpp's Slot order
 
 
 def linear_tensors(module: nn.Module) -> list[torch.Tensor] | None:
@@ -20,7 +21,8 @@ def linear_tensors(module: nn.Module) -> list[torch.Tensor] | None:
 
 
 class NativeDecoder:
-    """Runs one token through all layers with a single call into C++; the final norm and LM head stay in PyTorch."""
+    """Runs new tokens (one for decode, a chain or tree of drafts for verification) through all layers with a single
+    call into C++; the final norm and LM head stay in PyTorch."""
 
     def __init__(self, model, ops):
         self.model, self.ops = model, ops
@@ -61,14 +63,22 @@ class NativeDecoder:
     @torch.inference_mode()
     def __call__(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         """token (1, 1) at position pos -> logits (vocab,)."""
+        return self.model.head(self.hidden(token[0], torch.tensor([pos]), pos))[0]
+
+    @torch.inference_mode()
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, slot0: int, tree_mask: torch.Tensor | None = None,
+               layers: int | None = None) -> torch.Tensor:
+        """tokens (T,) at positions (T,) written to cache slots slot0.. -> final hidden states (T, D), before the
+        final norm. tree_mask (T, T) bool lets each token see its ancestors (default: a causal chain); `layers`
+        runs only the first that many layers (a self-speculative draft)."""
         m, c = self.model, self.model.config
         if m.layers[0].self_attn.kv_cache.k is not self.cache:
             self.gather()
-        x = m.embed(token)[0]  # (1, D)
-        x = self.ops.decode_layers(x, self.weights, pos, m.rope_global, m.rope_local, self.windows,
-                                   c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
-                                   c.attention_scale, self.sandwich, self.gelu)
-        return m.head(x)[0]
+        n = c.num_hidden_layers if layers is None else layers
+        return self.ops.forward_layers(m.embed(tokens), self.weights[:n * SLOTS], positions, slot0,
+                                       EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local,
+                                       self.windows[:n], c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                       c.rms_norm_eps, c.attention_scale, self.sandwich, self.gelu)
 
 
 def native_decoder(model) -> NativeDecoder | None:

@@ -47,8 +47,10 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, start: int, rope: torch.Tensor, mask: torch.Tensor | None,
-                kv_start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, rope: torch.Tensor, rope_index: slice | torch.Tensor,
+                mask: torch.Tensor | None, kv_start: int) -> torch.Tensor:
+        """x (B, T, D) written to cache slots start..start+T-1, rotated at positions rope_index (a slice, or a
+        tensor for a token tree); mask (T, visible slots) or None for one token seeing all of them."""
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(B, T, self.num_heads, self.head_dim)
@@ -56,7 +58,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope[0, start:start + T], rope[1, start:start + T]  # (T, head_dim)
+        cos, sin = rope[0, rope_index], rope[1, rope_index]  # (T, head_dim)
         q = apply_rotary(q.transpose(1, 2), cos, sin).to(v.dtype)  # (B, heads, T, head_dim)
         k = apply_rotary(k.transpose(1, 2), cos, sin).to(v.dtype)
         k, v = self.kv_cache.update(start, k, v, kv_start)

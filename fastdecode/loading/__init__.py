@@ -12,12 +12,16 @@ from fastdecode.models import model_class
 
 
 def load_model(path, dtype: torch.dtype = torch.float32, progress=None):
-    """Builds the model from a GGUF file or a Hugging Face directory; weights held in `dtype`."""
+    """Builds the model from a GGUF file, a Hugging Face directory or a quantized checkpoint that `fastdecode
+    quantize` wrote; float weights held in `dtype`."""
     from fastdecode.loading.gguf_loader import load_gguf
     from fastdecode.loading.hf_loader import load_hf_dir
+    from fastdecode.quant.checkpoint import is_quantized_checkpoint, load_quantized
 
     path = Path(path)
     freq_factors = None
+    if is_quantized_checkpoint(path):
+        return load_quantized(path, dtype)
     if path.is_dir():
         config, weights = load_hf_dir(path, dtype, progress)
     elif path.is_file():
@@ -31,6 +35,7 @@ def load_model(path, dtype: torch.dtype = torch.float32, progress=None):
     except ValueError as e:
         raise ModelFileError(f"{path}: {e}") from None
     model.rope_freq_factors = freq_factors
+    model.checkpoint_path = path  # `--quant gguf` reads the file's own quantized blocks from here
     return model.eval()
 
 

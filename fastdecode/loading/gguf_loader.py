@@ -1,4 +1,5 @@
-"""GGUF checkpoint -> ModelConfig and Hugging Face-named float tensors (dequantized with the `gguf` package)."""
+"""GGUF checkpoint -> ModelConfig and Hugging Face-named float tensors (dequantized with the `gguf` package), and
+the Q8_0/Q4_0/Q4_1 block tensors as they are, for the int8/int4 modules that hold those layouts (`--quant gguf`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -80,3 +81,42 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
     if "embed_tokens.weight" not in weights:
         raise ModelFileError(f"{path}: no token_embd.weight tensor")
     return config, weights, freq_factors, f
+
+
+# Block types our int8/int4 modules hold value for value (bytes per block of 32 weights): Q8_0 is d (fp16) and 32
+# int8; Q4_0 is d and 16 bytes of nibbles, w = d * (q - 8); Q4_1 is d, m and the nibbles, w = d * q + m. A block's
+# byte j holds q[j] in its low nibble and q[j + 16] in its high one.
+BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
+
+
+def block_tensors(t) -> dict[str, torch.Tensor]:
+    """A Q8_0 tensor (N, K) -> {"qweight" (N, K) int8, "scales" (N, K/32) fp16}; Q4_0/Q4_1 -> {"qweight" (N, K/2)
+    uint8 with element 2i in the low nibble, "scales", "mins" (N, K/32) fp16}: the checkpoint layout of the quant
+    modules (fastdecode.quant), with no value rounded on the way."""
+    N, K = t.shape
+    raw = torch.from_numpy(np.array(t.data)).view(N, K // 32, BLOCK_BYTES[t.type])  # copy: the file is read-only
+    half = lambda lo: raw[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0]  # noqa: E731  (N, K/32)
+    if t.type == GGMLQuantizationType.Q8_0:
+        return {"qweight": raw[..., 2:].contiguous().view(torch.int8).reshape(N, K), "scales": half(0)}
+    qs = raw[..., -16:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(N, K)  # each block's 32 values in order
+    d = half(0)
+    m = half(2) if t.type == GGMLQuantizationType.Q4_1 else -8 * d  # Q4_0: d*(q-8) = d*q + (-8d), exact in fp16
+    return {"qweight": q[:, 0::2] | q[:, 1::2] << 4, "scales": d, "mins": m}
+
+
+def load_gguf_blocks(path, config: ModelConfig) -> dict[str, tuple[str, dict[str, torch.Tensor] | None]]:
+    """Hugging Face name of every 2-D weight -> (GGML type name, block_tensors() for a type in BLOCK_BYTES, else
+    None), with llama.cpp's q/k row permutation undone (rows are whole blocks, so it moves bytes, not values)."""
+    f = GGUFFile(path)
+    out = {}
+    for t in f.tensors.values():
+        name = hf_name(t.name, config.family)
+        if name is None or len(t.shape) != 2:
+            continue
+        tensors = block_tensors(t) if t.type in BLOCK_BYTES else None
+        if tensors is not None and config.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            tensors = {k: torch.from_numpy(unpermute_rows(v.numpy(), heads).copy()) for k, v in tensors.items()}
+        out[name] = (t.type.name, tensors)
+    return out

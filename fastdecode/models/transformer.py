@@ -49,11 +49,12 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, x, start, rope, mask, kv_start):
+    def forward(self, x, start, rope, rope_index, mask, kv_start):
+        attn = self.self_attn(self.input_layernorm(x), start, rope, rope_index, mask, kv_start)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), start, rope, mask, kv_start))
+            x = x + self.post_attention_layernorm(attn)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), start, rope, mask, kv_start)
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -86,29 +87,41 @@ class Transformer(nn.Module):
             block.self_attn.kv_cache = KVCache(batch, c.num_key_value_heads, max_seq_len, c.head_dim, dtype, device)
 
     # ---- forward -----------------------------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, start: int, all_logits: bool = False) -> torch.Tensor:
-        """tokens (B, T) at positions start..start+T-1 -> logits (B, T, vocab) or, by default, (B, 1, vocab)."""
+    def forward(self, tokens: torch.Tensor, start: int, all_logits: bool = False, **tree) -> torch.Tensor:
+        """tokens (B, T) at positions start..start+T-1 -> logits (B, T, vocab) or, by default, (B, 1, vocab).
+        `tree` passes positions/tree_mask/layers on to hidden()."""
+        x = self.hidden(tokens, start, **tree)
+        return self.head(x if all_logits else x[:, -1:])
+
+    def hidden(self, tokens: torch.Tensor, start: int, positions: torch.Tensor | None = None,
+               tree_mask: torch.Tensor | None = None, layers: int | None = None) -> torch.Tensor:
+        """tokens (B, T) written to cache slots start..start+T-1 -> final hidden states (B, T, D), before the final
+        norm. By default the tokens are a chain at positions start..; a token tree being verified gives each token's
+        `positions` (T,) and `tree_mask` (T, T) bool (token t sees token j iff j is t or an ancestor of t).
+        `layers` runs only the first that many layers (a self-speculative draft)."""
         B, T = tokens.shape
         end = start + T
         if end > self.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache of {self.max_seq_len}")
         x = self.embed(tokens)
         window = self.config.sliding_window
-        global_mask, local_mask, local_start = None, None, 0
-        if window:
-            local_start = max(0, start - window + 1)
-        if T > 1:
-            q_pos = torch.arange(start, end).unsqueeze(1)
-            global_mask = torch.arange(0, end).unsqueeze(0) <= q_pos
+        local_start = max(0, start - window + 1) if window else 0
+        q_pos = torch.arange(start, end) if positions is None else positions
+        global_mask = local_mask = None
+        if T > 1 or tree_mask is not None:
+            # Cache slots below `start` hold positions 0..start-1; the new tokens see each other as the tree says.
+            new = torch.ones(T, T, dtype=torch.bool).tril() if tree_mask is None else tree_mask
+            k_pos = torch.cat([torch.arange(start), q_pos])
+            global_mask = torch.cat([torch.ones(T, start, dtype=torch.bool), new], dim=1)
             if window:
-                k_pos = torch.arange(local_start, end).unsqueeze(0)
-                local_mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
-        for block in self.layers:
+                local_mask = (global_mask & (k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - window))[:, local_start:]
+        rope_index = slice(start, end) if positions is None else positions
+        for block in self.layers[:layers]:
             if block.self_attn.sliding:
-                x = block(x, start, self.rope_local, local_mask, local_start)
+                x = block(x, start, self.rope_local, rope_index, local_mask, local_start)
             else:
-                x = block(x, start, self.rope_global, global_mask, 0)
-        return self.head(x if all_logits else x[:, -1:])
+                x = block(x, start, self.rope_global, rope_index, global_mask, 0)
+        return x
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens)

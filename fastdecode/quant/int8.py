@@ -5,12 +5,19 @@ Backends differ in where the scale d lives:
   GGUF tensor exactly and halves the error of per-channel scales on SmolLM2); activations are quantized to int8
   in blocks of 32 and multiplied with AVX2 integer dot products.
 - "aten" (torch's _weight_int8pack_mm, the fallback): one float scale per output channel, float activations.
+
+`encode` gives the backend-independent tensors a checkpoint stores ({"qweight", "scales"}); the scales' shape says
+which granularity they are: (N, K/32) fp16 per block or (N,) float32 per channel.
 """
+import logging
+
 import torch
 from torch import nn
 
 from fastdecode.quant.kernels import native_ops
 from fastdecode.quant.linear import QuantLinear
+
+log = logging.getLogger(__name__)
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,29 +58,58 @@ def native_fits(out_features: int, in_features: int) -> bool:
 class Int8Linear(QuantLinear):
     native_op = "q8_linear"
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, backend: str):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, backend: str):
+        """q (N, K) int8; scale (N, K/32) per block (native) or (N,) per output channel (aten)."""
         super().__init__()
-        self.out_features, self.in_features = w.shape
+        self.out_features, self.in_features = q.shape
         self.backend = backend
         if backend == "native":
-            if not native_fits(*w.shape):
-                raise ValueError(f"native int8 needs out % 4 == 0 and in % 32 == 0; got {tuple(w.shape)}")
-            self.register_buffer("qweight", pack_native(*quantize_blockwise(w)))
+            if not native_fits(*q.shape) or scale.dim() != 2:
+                raise ValueError(f"native int8 needs block scales, out % 4 == 0 and in % 32 == 0; got {tuple(q.shape)}")
+            self.register_buffer("qweight", pack_native(q, scale))
         else:
-            q, scale = quantize_per_channel(w)
+            if scale.dim() != 1:
+                raise ValueError("aten int8 takes one scale per output channel")
             self.register_buffer("weight", q)
-            self.register_buffer("scale", scale)
+            self.register_buffer("scale", scale.float())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @staticmethod
+    def resolve_backend(shape, backend: str | None) -> str:
+        return backend or ("native" if native_fits(*shape) else "aten")
+
+    @staticmethod
+    def encode(w: torch.Tensor, backend: str) -> dict[str, torch.Tensor]:
+        """Float weight -> the tensors a checkpoint stores for this backend."""
+        if backend == "native":
+            q, scale = quantize_blockwise(w)
+            return {"qweight": q, "scales": scale.half()}
+        q, scale = quantize_per_channel(w)
+        return {"qweight": q, "scales": scale}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], bias: torch.Tensor | None = None, backend: str | None = None):
+        """Builds the module from encode()'s tensors (or a Q8_0 GGUF tensor's). Block scales where the native kernel
+        is missing are requantized per channel: the one case where a loaded checkpoint differs from the file."""
+        q, scale = t["qweight"], t["scales"].float()
+        backend = cls.resolve_backend(q.shape, backend)
+        if scale.dim() == 2 and backend != "native":
+            log.warning("int8 block scales need the native kernel; requantizing %s per channel", tuple(q.shape))
+            q, scale = quantize_per_channel(dequantize_blockwise(q, scale))
+        elif scale.dim() == 1:
+            backend = "aten"
+        return cls(q, scale, bias, backend)
 
     @classmethod
     def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None = None, backend: str | None = None):
-        return cls(w, bias, backend or ("native" if native_fits(*w.shape) else "aten"))
+        backend = cls.resolve_backend(w.shape, backend)
+        return cls.from_tensors(cls.encode(w, backend), bias, backend)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, backend: str | None = None):
         return cls.from_weight(linear.weight, linear.bias, backend)
 
-    def aten_mm(self, x2d: torch.Tensor) -> torch.Tensor:
+    def mm(self, x2d: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2d, self.weight, self.scale)
 
     def extra_repr(self) -> str:

@@ -1,26 +1,70 @@
-"""What Int8Linear and Int4Linear share: the native/aten dispatch around a float32 (B*T, K) matmul, and byte counts."""
+"""What the quantized linears share: the native/aten dispatch around a float32 (B*T, K) matmul, byte counts, and the
+4-bit lookup kernel (lut4.cpp) that the FP4 formats and int4 with groups other than 32 decode with."""
+import functools
+import logging
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from fastdecode.quant.kernels import native_ops
 
+log = logging.getLogger(__name__)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) 4-bit values -> (N, K/2) uint8, element 2i in the low nibble (torch.float4_e2m1fn_x2's order; the
+    checkpoint layout of int4 and FP4)."""
+    return q[:, 0::2] | q[:, 1::2] << 4
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
 
 class QuantLinear(nn.Module):
     """Subclasses set out_features, in_features, backend, bias, `native_op` (a name in the native module taking
-    (x, qweight, bias)) and implement aten_mm(x2d) -> (B*T, N) without the bias."""
+    (x, qweight, bias)) and implement mm(x2d) -> (B*T, N) without the bias, for every other backend."""
     native_op: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "native":
             y = getattr(native_ops(), self.native_op)(x, self.qweight, self.bias)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
-        y = self.aten_mm(x.reshape(-1, self.in_features).float())
+        y = self.mm(x.reshape(-1, self.in_features).float())
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def aten_mm(self, x2d: torch.Tensor) -> torch.Tensor:
+    def mm(self, x2d: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+@functools.cache
+def lut_ops():
+    """The compiled lut4.cpp (lut4_linear, max_rows), or None where native kernels are off or cannot be built."""
+    from fastdecode.kernels import FLAGS, native_enabled
+
+    if not native_enabled():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        from fastdecode.loading.catalog import fastdecode_home
+
+        build_dir = fastdecode_home() / "kernels" / "lut4"  # its own: a build directory holds one build.ninja
+        build_dir.mkdir(parents=True, exist_ok=True)
+        return load("fastdecode_lut4", [str(Path(__file__).with_name("lut4.cpp"))], extra_cflags=FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
+    except Exception as e:  # no compiler, a compile error: callers dequantize per forward instead
+        log.warning("fastdecode: 4-bit lookup kernel unavailable, dequantizing per forward (%s)",
+                    str(e).splitlines()[0])
+        return None
+
+
+def lut_fits(rows: int) -> bool:
+    ops = lut_ops()
+    return ops is not None and rows <= ops.max_rows

@@ -8,10 +8,14 @@ from torch import nn
 
 from fastdecode.quant import Int4Linear, Int8Linear, quantize_model, weight_bytes
 from fastdecode.quant.int4 import dequantize_groupwise, native_fits, quantize_groupwise
+from fastdecode.quant.linear import lut_ops
 from tests.helpers.tiny import logits, tiny_model
 
 NATIVE = pytest.param("native", marks=pytest.mark.skipif(not native_fits(4, 64, 32), reason="no AVX2 kernels"))
-CASES = [("aten", 32), ("aten", 64), ("aten", 128), (NATIVE, 32)]
+NO_LUT = pytest.mark.skipif(lut_ops() is None, reason="no AVX2 lookup kernel")
+LUT = pytest.param("lut", marks=NO_LUT)
+CASES = [("aten", 32), ("aten", 64), ("aten", 128), pytest.param("native", 32, marks=NATIVE.marks),
+         pytest.param("lut", 32, marks=NO_LUT), pytest.param("lut", 128, marks=NO_LUT)]
 
 
 def step_bound(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -40,7 +44,7 @@ def test_output_within_quantization_step_of_float_matmul(backend, group_size, m)
     assert ((layer(x) - (x @ w.T + b)).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("backend", ["aten", NATIVE])
+@pytest.mark.parametrize("backend", ["aten", NATIVE, LUT])
 def test_batched_and_bfloat16_inputs(backend):
     layer = Int4Linear.from_weight(torch.randn(32, 64), group_size=32, backend=backend)
     x = torch.randn(2, 5, 64)
@@ -59,7 +63,7 @@ def test_native_weight_bytes_are_five_bits_a_weight_plus_float_bias():
     assert layer.weight_bytes() == 32 * 64 // 2 + 32 * 2 * 2 * 2 + 32 * 4  # nibbles, fp16 scale and min per 32, bias
 
 
-@pytest.mark.parametrize("backend", ["aten", NATIVE])
+@pytest.mark.parametrize("backend", ["aten", NATIVE, LUT])
 def test_quantized_model_agrees_with_float_model(backend):
     model = tiny_model(tied=False)
     tokens = torch.randint(0, 128, (4, 32))
@@ -73,7 +77,8 @@ def test_quantized_model_agrees_with_float_model(backend):
     assert weight_bytes(quantized) < weight_bytes(model) / 5
 
 
-@pytest.mark.parametrize("backend,atol", [("aten", 1e-4), (NATIVE, 0.05)])
+@pytest.mark.parametrize("backend,atol", [("aten", 1e-4), pytest.param("native", 0.05, marks=NATIVE.marks),
+                                         pytest.param("lut", 1e-4, marks=NO_LUT)])
 def test_quantized_model_equals_float_model_with_dequantized_weights(backend, atol):
     # The float model's error comes only from the weights (and, native, int8 activations), not from the kernel.
     model = tiny_model(tied=False)
@@ -106,3 +111,29 @@ def test_shapes_no_kernel_takes_stay_float():
     model = nn.Sequential(nn.Linear(64, 10), nn.Linear(10, 64))  # out 10: neither int4 kernel; in 10: not a group
     quantize_model(model, "int4")
     assert all(type(m) is nn.Linear for m in model)
+
+
+def test_group_wider_than_a_row_multiple_takes_a_shorter_last_group():
+    # SmolLM2's 576 inputs with groups of 128: four whole groups and one of 64, padded with its own last column.
+    torch.manual_seed(0)
+    w, x = torch.randn(32, 96), torch.randn(5, 96)
+    assert Int4Linear.fits(32, 96, 64)
+    layer = Int4Linear.from_weight(w, group_size=64, backend="aten")
+    padded = torch.cat([w, w[:, -1:].expand(-1, 32)], dim=1)
+    _, scale, mn = quantize_groupwise(padded, 64)
+    assert torch.equal(scale[:, 1], ((w[:, 64:].amax(1) - w[:, 64:].amin(1)) / 15).half().float())
+    w_hat = dequantize_groupwise(*quantize_groupwise(padded, 64))[:, :96]
+    assert torch.allclose(layer(x), x @ w_hat.T, atol=1e-4)
+    assert ((w_hat - w).abs() <= step_bound(padded, 64)[:, :96]).all()
+
+
+@pytest.mark.skipif(lut_ops() is None, reason="no AVX2 lookup kernel")
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_lookup_kernel_and_dequantized_gemm_agree_across_the_row_threshold(group_size):
+    # Up to max_rows input rows run the kernel, more the dequantize + GEMM path: the same weights either way.
+    torch.manual_seed(1)
+    layer = Int4Linear.from_weight(torch.randn(48, 96), torch.randn(48), group_size, backend="lut")
+    padded = 128 if group_size == 128 else 96  # 96 inputs: 3 groups of 32, or one of 128 (the last input repeated)
+    assert layer.weight_bytes() == 48 * padded // 2 + 2 * 48 * (padded // group_size) * 2 + 48 * 4
+    x = torch.randn(lut_ops().max_rows + 1, 96)
+    assert torch.allclose(layer(x[:-1]), layer(x)[:-1], atol=1e-5)

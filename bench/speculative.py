@@ -1,0 +1,361 @@
+"""Speculative decoding benchmark: plain decode, each drafter and `auto`, per coding-agent workload category, beside
+llama.cpp's and transformers' prompt lookup, on the same prompts, in one run.
+
+    python bench/speculative.py                 # 3 prompts per category, up to 128 tokens; bench/results/speculative.*
+    python bench/speculative.py --quick         # 1 prompt per category, 32 tokens; speculative-quick.*
+
+Every engine gets the same token ids (our chat template). Greedy decoding everywhere, except that the low-overlap
+category applies a repetition penalty of 1.15 in every engine (Hugging Face's rule over prompt and output; llama.cpp
+with its penalty window set to the whole context): a 135M model decoding greedily falls into loops, which would
+flatter every drafter. The `repeat share` column checks it: the share of output 4-grams already seen in the prompt
+or earlier output. Each engine runs in its own worker process; the prompts run round-robin across engines (A B C A
+B C) so drift on a shared machine falls on all of them. Per category: mean output tok/s (first token excluded),
+floor (5th percentile of tok/s over sliding 32-token windows), mean accepted draft tokens per verify step, speedup
+over our plain decode; per engine, whether its greedy tokens equal its own plain decode.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from common import command_line, machine, markdown_table, write_json
+
+MODEL = "smollm2-135m"
+OURS = ["none", "ngram", "suffix", "layerskip", "auto"]
+PEERS = ["llama.cpp", "llama.cpp+lookup", "transformers", "transformers+lookup"]
+LOW_OVERLAP_PENALTY = 1.15
+WINDOW = 32
+LOOKUP_TOKENS = 10  # draft length for the peers' prompt lookup (their usual setting)
+
+
+# ---- engines, each in its own worker process -------------------------------------------------------------------
+class Fastdecode:
+    def __init__(self, config, model, threads, quant):
+        from fastdecode import LLM
+
+        self.llm = LLM(model, quant=quant or None, threads=threads, speculate=config)
+
+    def run(self, ids, max_tokens, penalty):
+        from fastdecode import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, repetition_penalty=penalty, ignore_eos=True)
+        times, tokens, completion = [], [], None
+        start = time.perf_counter()
+        for chunk in self.llm.stream(ids, params):
+            if chunk.token_ids:
+                now = time.perf_counter()
+                times += [now] * len(chunk.token_ids)
+                tokens += chunk.token_ids
+            completion = chunk.completion or completion
+        return {"tokens": tokens, "start": start, "times": times, "speculation": completion.speculation}
+
+
+class LlamaCpp:
+    def __init__(self, config, model, threads, quant):
+        from llama_cpp import Llama
+
+        from fastdecode.loading.catalog import resolve
+
+        draft = None
+        if config.endswith("+lookup"):
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
+        # logits_all with a draft model: 0.3.36 switches it on internally but sizes its logits buffer from the
+        # argument, which overflows past n_batch tokens.
+        self.llm = Llama(model_path=str(resolve(model)), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+                         last_n_tokens_size=4096, draft_model=draft, logits_all=draft is not None, seed=0,
+                         verbose=False)
+
+    def run(self, ids, max_tokens, penalty):
+        self.llm.reset()
+        tokens, times = [], []
+        start = time.perf_counter()
+        for token in self.llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=penalty):
+            times.append(time.perf_counter())
+            tokens.append(token)
+            if len(tokens) == max_tokens:
+                break
+        return {"tokens": tokens, "start": start, "times": times}
+
+
+class Transformers:
+    def __init__(self, config, model, threads, quant):
+        import os
+
+        os.environ["TQDM_DISABLE"] = "1"
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        from fastdecode.loading.catalog import resolve
+
+        torch.set_num_threads(threads)
+        transformers.logging.set_verbosity_error()
+        path = resolve(model)
+        self.torch = torch
+        self.lookup = config.endswith("+lookup")
+        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                          dtype=torch.float32).eval()
+        self.model.generation_config.eos_token_id = None
+
+    def run(self, ids, max_tokens, penalty):
+        times = []
+
+        class Streamer:  # put() gets the prompt, then each step's new tokens (several with prompt lookup)
+            def put(self, value):
+                times.append((time.perf_counter(), value.numel()))
+
+            def end(self):
+                pass
+
+        x = self.torch.tensor([ids])
+        extra = {"prompt_lookup_num_tokens": LOOKUP_TOKENS} if self.lookup else {}
+        start = time.perf_counter()
+        with self.torch.inference_mode():
+            out = self.model.generate(x, attention_mask=self.torch.ones_like(x), max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, do_sample=False, temperature=None, top_p=None,
+                                      top_k=None, pad_token_id=0, repetition_penalty=penalty, streamer=Streamer(),
+                                      **extra)
+        stamps = [t for t, n in times[1:] for _ in range(n)]
+        return {"tokens": out[0, len(ids):].tolist(), "start": start, "times": stamps[:max_tokens]}
+
+
+def engine_for(name: str):
+    if name.startswith("llama.cpp"):
+        return LlamaCpp
+    if name.startswith("transformers"):
+        return Transformers
+    return Fastdecode
+
+
+def worker(conn, name, config, model, threads, quant):
+    try:
+        engine = engine_for(name)(config, model, threads, quant)
+    except ImportError as e:
+        conn.send({"skipped": f"not installed ({e})"})
+        return
+    except Exception as e:  # noqa: BLE001  (a load failure is one skipped row, not a failed run)
+        conn.send({"skipped": f"failed to load: {type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        return
+    conn.send({"ready": True})
+    while (request := conn.recv()) is not None:
+        try:
+            conn.send(engine.run(*request))
+        except Exception as e:  # noqa: BLE001
+            conn.send({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+
+
+def receive(conn, proc) -> dict:
+    while not conn.poll(0.5):
+        if not proc.is_alive():
+            return {"error": f"worker died (exit code {proc.exitcode})"}
+    return conn.recv()
+
+
+# ---- metrics -------------------------------------------------------------------------------------------------------
+def output_tok_s(times: list[float]) -> float | None:
+    """Tokens after the first over the time after the first (TTFT excluded)."""
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else None
+
+
+def window_speeds(times: list[float], window: int = WINDOW, stride: int = 8) -> list[float]:
+    """tok/s over each run of `window` tokens (sliding by `stride`), TTFT excluded."""
+    out = []
+    for i in range(1, len(times) - window + 1, stride):
+        dt = times[i + window - 1] - times[i - 1]
+        if dt > 0:
+            out.append(window / dt)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def repeat_share(prompt: list[int], output: list[int], n: int = 4) -> float:
+    """Share of output n-grams that already occurred in the prompt or earlier in the output."""
+    seen = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    hits = total = 0
+    ctx = list(prompt)
+    for t in output:
+        ctx.append(t)
+        if len(ctx) >= n:
+            gram = tuple(ctx[-n:])
+            total += 1
+            hits += gram in seen
+            seen.add(gram)
+    return hits / total if total else 0.0
+
+
+# ---- the run -----------------------------------------------------------------------------------------------------
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--quant", default="int4", help="our weight format (int4 is our fastest; '' for float32)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--per-category", type=int, default=3, help="prompts per workload category")
+    p.add_argument("--max-tokens", type=int, default=128, help="cap on each prompt's max_tokens")
+    p.add_argument("--configs", default=",".join(OURS), help="our --speculate values")
+    p.add_argument("--peers", default=",".join(PEERS), help="peer engines, or '' for none")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.per_category, args.max_tokens = 1, 32
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from fastdecode.loading import load_tokenizer
+    from fastdecode.loading.catalog import resolve
+    from fastdecode.workloads import CATEGORIES, load_workload
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    host = machine()
+    tok = load_tokenizer(resolve(args.model))
+    items = []
+    for category in CATEGORIES:
+        for item in load_workload(category)[:args.per_category]:
+            ids = tok.encode(tok.apply_chat_template(item.messages, add_generation_prompt=True),
+                             add_special_tokens=False)
+            penalty = LOW_OVERLAP_PENALTY if category == "low_overlap" else 1.0
+            items.append({"id": item.id, "category": category, "ids": ids,
+                          "max_tokens": min(item.max_tokens, args.max_tokens), "penalty": penalty})
+    engines = [("fastdecode", c) for c in args.configs.split(",") if c]
+    engines += [(e, e) for e in args.peers.split(",") if e]
+    ctx = mp.get_context("spawn")
+    workers, results, skipped = {}, {e: [] for e in engines}, {}
+    with Progress(console=console) as progress:
+        loading = progress.add_task("loading", total=len(engines))
+        for name, config in engines:
+            progress.update(loading, description=f"loading {name} {config}")
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker, args=(child, name, config, args.model, args.threads, args.quant),
+                               daemon=True)
+            proc.start()
+            msg = receive(parent, proc)
+            if msg.get("ready"):
+                workers[(name, config)] = (proc, parent)
+                parent.send((items[0]["ids"], 16, 1.0))  # warm-up
+                receive(parent, proc)
+            else:
+                skipped[(name, config)] = msg.get("skipped") or msg.get("error")
+                console.print(f"[yellow]skipping {name} {config}: {skipped[(name, config)]}")
+            progress.advance(loading)
+        timing = progress.add_task("timing", total=len(items) * len(workers))
+        for item in items:  # round-robin: every engine on this prompt, then the next prompt
+            for key, (proc, conn) in list(workers.items()):
+                progress.update(timing, description=f"{item['id']}: {key[1]}")
+                conn.send((item["ids"], item["max_tokens"], item["penalty"]))
+                r = receive(conn, proc)
+                if "error" in r:
+                    skipped[key] = r["error"]
+                    console.print(f"[red]{key} failed: {r['error']}")
+                    workers.pop(key)
+                    proc.kill()
+                else:
+                    results[key].append({**r, "item": item})
+                progress.advance(timing)
+        for proc, conn in workers.values():
+            conn.send(None)
+            proc.join(timeout=10)
+    report = summarize(args, host, engines, items, results, skipped)
+    stem = "speculative-quick" if args.quick else "speculative"
+    write_json(args.out / f"{stem}.json", report)
+    md = render(report)
+    (args.out / f"{stem}.md").write_text(md + "\n")
+    console.print(md)
+    console.print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.md')}")
+
+
+def summarize(args, host, engines, items, results, skipped) -> dict:
+    from fastdecode.workloads import CATEGORIES
+
+    plain_of = {"fastdecode": ("fastdecode", "none"), "llama.cpp": ("llama.cpp", "llama.cpp"),
+                "transformers": ("transformers", "transformers")}
+    rows = []
+    for key in engines:
+        name, config = key
+        if key in skipped and not results[key]:
+            rows.append({"engine": name, "config": config, "skipped": skipped[key]})
+            continue
+        base = plain_of[name.split("+")[0]]
+        plain = {r["item"]["id"]: r for r in results.get(base, [])}
+        per_category = {}
+        for category in CATEGORIES:
+            runs = [r for r in results[key] if r["item"]["category"] == category]
+            if not runs:
+                continue
+            speeds = [s for r in runs if (s := output_tok_s(r["times"])) is not None]
+            windows = [w for r in runs for w in window_speeds(r["times"])]
+            spec = [r["speculation"] for r in runs if r.get("speculation")]
+            same = [r["tokens"] == plain[r["item"]["id"]]["tokens"] for r in runs if r["item"]["id"] in plain]
+            per_category[category] = {
+                "prompts": len(runs), "mean_tok_s": statistics.mean(speeds) if speeds else None,
+                "speeds": speeds, "floor_tok_s": percentile(windows, 0.05),
+                "repeat_share": statistics.mean(repeat_share(r["item"]["ids"], r["tokens"]) for r in runs),
+                "mean_accepted_length": (sum(s["accepted"] for s in spec) / max(1, sum(s["verify_steps"]
+                                                                                     for s in spec))) if spec else None,
+                "acceptance_rate": (sum(s["accepted"] for s in spec) / max(1, sum(s["drafted"] for s in spec)))
+                if spec else None,
+                "tokens_per_forward": (sum(s["accepted"] + s["steps"] for s in spec) / max(1, sum(s["steps"]
+                                                                                               for s in spec)))
+                if spec else None,
+                "identical_to_own_plain": f"{sum(same)}/{len(same)}" if same else None,
+            }
+        rows.append({"engine": name, "config": config, "categories": per_category})
+    ours_plain = next((r for r in rows if r["engine"] == "fastdecode" and r["config"] == "none"
+                       and "categories" in r), None)
+    for r in rows:
+        for category, c in r.get("categories", {}).items():
+            base = ours_plain["categories"].get(category) if ours_plain else None
+            if base and base["mean_tok_s"] and c["mean_tok_s"]:
+                c["speedup_mean"] = c["mean_tok_s"] / base["mean_tok_s"]
+                c["speedup_floor"] = (c["floor_tok_s"] / base["floor_tok_s"]
+                                      if c["floor_tok_s"] and base["floor_tok_s"] else None)
+    return {"model": args.model, "quant": args.quant, "threads": args.threads, "per_category": args.per_category,
+            "max_tokens": args.max_tokens, "low_overlap_repetition_penalty": LOW_OVERLAP_PENALTY,
+            "floor_window_tokens": WINDOW, "peer_lookup_tokens": LOOKUP_TOKENS, "machine": host,
+            "command": command_line(), "rows": rows}
+
+
+def render(report: dict) -> str:
+    def f(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+
+    headers = ["engine", "config", "category", "mean tok/s", "floor tok/s", "x plain (mean)", "x plain (floor)",
+               "accepted/verify", "tokens/forward", "repeat share", "= own plain"]
+    cells = []
+    for r in report["rows"]:
+        if "skipped" in r:
+            cells.append([r["engine"], r["config"], "-", "skipped: " + r["skipped"][:60]] + ["-"] * 7)
+            continue
+        for category, c in r["categories"].items():
+            cells.append([r["engine"], r["config"], category, f(c["mean_tok_s"]), f(c["floor_tok_s"]),
+                          f(c.get("speedup_mean"), ".2f"), f(c.get("speedup_floor"), ".2f"),
+                          f(c["mean_accepted_length"], ".2f"), f(c["tokens_per_forward"], ".2f"),
+                          f(c["repeat_share"], ".2f"), c["identical_to_own_plain"] or "-"])
+    m = report["machine"]
+    notes = [f"# Speculative decoding: {report['model']} ({report['quant'] or 'float32'}), {report['threads']} threads",
+             "", f"`{report['command']}` on {m['cpu']} ({m['cores']} cores), {m['date']}, load average at start "
+             f"{m['load_avg_1m_at_start']}.", "",
+             f"{report['per_category']} prompts per category, up to {report['max_tokens']} tokens each, greedy; "
+             f"low_overlap with repetition penalty {report['low_overlap_repetition_penalty']} in every engine. "
+             f"Floor: 5th percentile of tok/s over sliding {report['floor_window_tokens']}-token windows. "
+             "`x plain`: against fastdecode's plain decode (`none`) in the same run. Peers' prompt lookup drafts "
+             f"{report['peer_lookup_tokens']} tokens.", ""]
+    return "\n".join(notes) + markdown_table(headers, cells)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""A local model measured through the same HTTP path as any endpoint: the lab starts `fastdecode serve` on a free
+loopback port, waits for /health, and stops it at the end, so a local number and a remote one mean the same."""
+from __future__ import annotations
+
+import importlib.util
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from fastdecode.errors import FastdecodeError
+
+SERVE_ENTRY = "from fastdecode.cli import main; main()"  # `python -c` keeps the server on this interpreter and env
+
+
+class ServerStartError(FastdecodeError):
+    """`fastdecode serve` is missing, exited, or did not answer /health in time."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_entry() -> list[str] | None:
+    """Interpreter arguments that run `fastdecode serve`: the registered command, else the server package's
+    `python -m fastdecode.server` (the same command, before it is registered); None when neither exists."""
+    from fastdecode.cli import main
+
+    if "serve" in main.commands:
+        return ["-c", SERVE_ENTRY, "serve"]
+    if importlib.util.find_spec("fastdecode.server") and importlib.util.find_spec("fastdecode.server.__main__"):
+        return ["-m", "fastdecode.server"]
+    return None
+
+
+class LocalServer:
+    def __init__(self, model: str, speculate: str | None = None, serve_args: tuple[str, ...] = (),
+                 startup_timeout_s: float = 600.0):
+        self.model, self.speculate, self.startup_timeout_s = model, speculate, startup_timeout_s
+        self.port = free_port()
+        self.entry = serve_entry()
+        self.args = ["-m", model, "--host", "127.0.0.1", "--port", str(self.port)]
+        if speculate:
+            self.args += ["--speculate", speculate]
+        for arg in serve_args:  # each may hold several words: --serve-arg "--quant int4"
+            self.args += shlex.split(arg)
+        self.command = [sys.executable, *(self.entry or ["-c", SERVE_ENTRY, "serve"]), *self.args]
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command_line(self) -> str:
+        return shlex.join(["fastdecode", "serve", *self.args])
+
+    def __enter__(self) -> LocalServer:
+        if self.entry is None:
+            raise ServerStartError("`fastdecode serve` is not available in this install (no fastdecode.server); "
+                                   "measure a running server with --endpoint URL --model NAME instead")
+        log = tempfile.NamedTemporaryFile("w+b", prefix="fastdecode-serve-", suffix=".log", delete=False)
+        self.log_path = Path(log.name)
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def wait_healthy(self):
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerStartError(f"`{self.command_line()}` exited with code {self.process.returncode}: "
+                                       f"{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise ServerStartError(f"`{self.command_line()}` did not answer /health within {self.startup_timeout_s:g} s "
+                               f"(log: {self.log_path})")
+
+    def log_tail(self, lines: int = 3) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except (OSError, AttributeError):
+            return "(no log)"
+        return " | ".join(text[-lines:]) or "(empty log)"
+
+    def stop(self):
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

@@ -1,0 +1,263 @@
+"""`--report out.html`: one self-contained HTML file (plots as base64 PNG, no scripts, no network) of one stored run:
+the summary tables, speed per category, speed over time, per-user speed and throughput against concurrency, TTFT
+against output speed, and the roofline ceiling where the model and hardware are known."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+from html import escape
+from pathlib import Path
+
+from fastdecode.lab.metrics import request_metrics, sweep_rows
+from fastdecode.lab.storage import StoredRun
+
+METRIC_ROWS = [("output_tok_s", "output tok/s", 1.0), ("window_floor_tok_s", "window floor tok/s", 1.0),
+               ("ttft_s", "TTFT ms", 1e3), ("ttfc_s", "time to first content ms", 1e3),
+               ("tpot_s", "TPOT ms", 1e3), ("itl_s", "ITL ms", 1e3), ("e2e_s", "end-to-end s", 1.0),
+               ("output_tokens", "output tokens", 1.0), ("prompt_tokens", "prompt tokens", 1.0)]
+STAT_COLUMNS = ["mean", "median", "p5", "p95", "p99", "min", "max"]
+CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th:first-child,td:first-child{text-align:left}figure{margin:1em 0}figure img{max-width:100%}
+figcaption{color:#555;font-size:90%}pre{background:#f6f6f6;padding:.8em;overflow:auto;font-size:85%}
+.err{color:#a00}"""
+
+
+def write_report(run: StoredRun, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(render(run), encoding="utf-8")
+    return path
+
+
+def render(run: StoredRun) -> str:
+    s = run.summary
+    ceiling = s.get("ceiling")  # {"tok_s", "label"}; tok_s None when it could not be computed (label says why)
+    parts = [f"<h1>fastdecode speed lab: run {run.id}{' — ' + escape(run.label) if run.label else ''}</h1>",
+             f"<p>{escape(run.target)} · modes {escape(run.modes)} · {escape(run.created_at)} · "
+             f"{s['overall']['ok']} of {s['overall']['requests']} requests succeeded · window floor over "
+             f"{s['window_tokens']} tokens</p>"]
+    if ceiling:
+        parts.append(f"<p id='ceiling'>Ceiling: {escape(ceiling['label'])}</p>")
+    parts += ["<h2>All requests</h2>", stats_table(s["overall"])]
+    parts += ["<h2>Per category</h2>", category_table(s["by_category"])]
+    rows = sweep_rows(s)
+    if rows:
+        parts += ["<h2>Concurrency sweep</h2>", sweep_table(rows)]
+    if s.get("compare"):
+        parts += ["<h2>Compare (B against A, paired)</h2>", compare_table(s)]
+    if s.get("cost"):
+        parts += ["<h2>Cost</h2>", cost_table(s["cost"])]
+    parts += ["<h2>Plots</h2>", *figures(run, ceiling)]
+    parts += ["<h2>Errors</h2>", errors_table(run)]
+    parts += ["<h2>Configuration and environment</h2>",
+              f"<details><summary>configuration</summary><pre>{escape(json.dumps(run.config, indent=2))}</pre>"
+              "</details>",
+              f"<details open><summary>environment</summary><pre>{escape(json.dumps(run.environment, indent=2))}"
+              "</pre></details>"]
+    return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>fastdecode lab run {run.id}</title>"
+            f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>\n")
+
+
+def fmt(x, scale=1.0) -> str:
+    if x is None:
+        return "–"
+    v = x * scale
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}" if abs(v) >= 1 else f"{v:.3f}"
+
+
+def stats_table(group: dict) -> str:
+    head = "".join(f"<th>{c}</th>" for c in ["metric", "n", *STAT_COLUMNS])
+    body = ""
+    for key, name, scale in METRIC_ROWS:
+        st = group.get(key)
+        if st:
+            body += f"<tr><td>{name}</td><td>{st['n']}</td>" + "".join(
+                f"<td>{fmt(st[c], scale)}</td>" for c in STAT_COLUMNS) + "</tr>"
+    extra = f"<p>throughput {fmt(group.get('throughput_tok_s'))} tok/s over {fmt(group.get('duration_s'))} s</p>"
+    return f"<table class='stats'><tr>{head}</tr>{body}</table>{extra}"
+
+
+def category_table(by_category: dict) -> str:
+    head = ("<tr><th>category</th><th>requests</th><th>errors</th><th>median tok/s</th><th>P5 tok/s (floor)</th>"
+            "<th>window floor tok/s (P5)</th><th>median TTFT ms</th><th>P95 TTFT ms</th></tr>")
+    body = ""
+    for cat, g in by_category.items():
+        speed, floor, ttft = g["output_tok_s"] or {}, g["window_floor_tok_s"] or {}, g["ttft_s"] or {}
+        body += (f"<tr><td>{escape(cat)}</td><td>{g['requests']}</td><td>{g['errors']}</td>"
+                 f"<td>{fmt(speed.get('median'))}</td><td>{fmt(speed.get('p5'))}</td><td>{fmt(floor.get('p5'))}</td>"
+                 f"<td>{fmt(ttft.get('median'), 1e3)}</td><td>{fmt(ttft.get('p95'), 1e3)}</td></tr>")
+    return f"<table class='categories'>{head}{body}</table>"
+
+
+def sweep_table(rows: list[dict]) -> str:
+    head = ("<tr><th>users</th><th>per-user tok/s (median)</th><th>per-user floor (P5)</th>"
+            "<th>total throughput tok/s</th><th>median TTFT ms</th><th>errors</th></tr>")
+    body = "".join(f"<tr><td>{r['concurrency']}</td><td>{fmt(r['per_user_tok_s'])}</td>"
+                   f"<td>{fmt(r['per_user_floor_tok_s'])}</td><td>{fmt(r['throughput_tok_s'])}</td>"
+                   f"<td>{fmt(r['ttft_s'], 1e3)}</td><td>{r['errors']}</td></tr>" for r in rows)
+    return f"<table class='sweep'>{head}{body}</table>"
+
+
+def compare_table(s: dict) -> str:
+    c, arms = s["compare"], s.get("by_arm", {})
+    rows = "".join(f"<tr><td>{a}</td><td>{fmt((g['output_tok_s'] or {}).get('median'))}</td>"
+                   f"<td>{fmt((g['ttft_s'] or {}).get('median'), 1e3)}</td><td>{g['errors']}</td></tr>"
+                   for a, g in arms.items())
+    return (f"<table class='compare'><tr><th>arm</th><th>median tok/s</th><th>median TTFT ms</th><th>errors</th></tr>"
+            f"{rows}</table><p>B/A output speed, median of {c['pairs']} interleaved pairs: "
+            f"{fmt(c['speed_ratio_b_over_a'])} (P5 {fmt(c['speed_ratio_p5'])}, P95 {fmt(c['speed_ratio_p95'])}); "
+            f"B/A TTFT {fmt(c['ttft_ratio_b_over_a'])}</p>")
+
+
+def cost_table(cost: dict) -> str:
+    rows = "".join(f"<tr><td>{escape(k)}</td><td>{usd(v)}</td></tr>"
+                   for k, v in cost["per_task_usd_by_category"].items())
+    return (f"<p>${cost['input_per_m']:g} / ${cost['output_per_m']:g} per million input / output tokens: "
+            f"{usd(cost['per_request_usd'])} per request, {usd(cost['per_task_usd'])} per task, "
+            f"{usd(cost['total_usd'])} in all.</p>"
+            f"<table class='cost'><tr><th>category</th><th>$ per task</th></tr>{rows}</table>")
+
+
+def usd(x) -> str:
+    return "–" if x is None else f"${x:.6f}" if x < 0.01 else f"${x:,.4f}"
+
+
+def errors_table(run: StoredRun) -> str:
+    failed = [r for r in run.records if not r.ok]
+    if not failed:
+        return "<p>none</p>"
+    rows = "".join(f"<tr><td>{escape(r.item_id)}</td><td>{escape(r.phase)}</td><td>{r.status or ''}</td>"
+                   f"<td class='err'>{escape(r.error or 'no tokens')}</td></tr>" for r in failed)
+    return f"<table class='errors'><tr><th>item</th><th>phase</th><th>HTTP</th><th>error</th></tr>{rows}</table>"
+
+
+# ---- plots -----------------------------------------------------------------------------------------------------
+def figures(run: StoredRun, ceiling: dict | None) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    window = run.summary["window_tokens"]
+    measured = [(r, m) for r in run.records if (m := request_metrics(r, window)) is not None]
+    roof = ceiling.get("tok_s") if ceiling else None
+    out = []
+    for plot_id, caption, draw in [
+        ("speed-by-category", "Output speed per category (each dot a request; box: quartiles)", plot_by_category),
+        ("speed-over-time", "Output speed over the run (dots: requests; line: median per interval)", plot_over_time),
+        ("concurrency", "Per-user output speed and total throughput against concurrency", plot_concurrency),
+        ("ttft-vs-speed", "TTFT against output speed", plot_ttft_vs_speed),
+        ("compare", "Output speed of A and B, interleaved", plot_compare),
+    ]:
+        png = draw(run, measured, roof)
+        if png is not None:
+            out.append(f"<figure id='plot-{plot_id}'><img alt='{escape(caption)}' "
+                       f"src='data:image/png;base64,{png}'><figcaption>{escape(caption)}</figcaption></figure>")
+    return out
+
+
+def to_png(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def roof_line(ax, roof: float | None):
+    if roof:
+        ax.axhline(roof, color="crimson", ls="--", lw=1, label=f"roofline ceiling {roof:,.0f} tok/s")
+        ax.legend(loc="best", fontsize=8)
+
+
+def plot_by_category(run, measured, roof):
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cats = sorted({r.category for r, m in measured if m.output_tok_s})
+    if not cats:
+        return None
+    data = [[m.output_tok_s for r, m in measured if r.category == c and m.output_tok_s] for c in cats]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.boxplot(data, showfliers=False)
+    ax.set_xticks(range(1, len(cats) + 1), cats)
+    rng = np.random.default_rng(0)
+    for i, d in enumerate(data, 1):
+        ax.scatter(i + rng.uniform(-0.15, 0.15, len(d)), d, s=10, alpha=0.6)
+    ax.set_ylabel("output tok/s (excluding TTFT)")
+    roof_line(ax, roof)
+    return to_png(fig)
+
+
+def plot_over_time(run, measured, roof):
+    import matplotlib.pyplot as plt
+
+    points = [(m.end_at, m.output_tok_s, r.phase) for r, m in measured if m.output_tok_s]
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for phase in dict.fromkeys(p for _, _, p in points):
+        xs = [t for t, _, p in points if p == phase]
+        ax.scatter(xs, [v for _, v, p in points if p == phase], s=10, alpha=0.6, label=phase)
+    series = run.summary.get("speed_over_time") or []
+    if series:
+        ax.plot([p["t_s"] for p in series], [p["median_tok_s"] for p in series], "o-", color="black", lw=1.5,
+                label="median per interval")
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("output tok/s")
+    ax.legend(loc="best", fontsize=8)
+    roof_line(ax, roof)
+    return to_png(fig)
+
+
+def plot_concurrency(run, measured, roof):
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in sweep_rows(run.summary) if r["per_user_tok_s"]]
+    if not rows:
+        return None
+    users = [r["concurrency"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(users, [r["per_user_tok_s"] for r in rows], "o-", label="median")
+    left.plot(users, [r["per_user_floor_tok_s"] for r in rows], "v--", label="P5 (floor)")
+    left.set_xlabel("concurrent users")
+    left.set_ylabel("per-user output tok/s")
+    left.legend(fontsize=8)
+    roof_line(left, roof)
+    right.plot(users, [r["throughput_tok_s"] or 0 for r in rows], "s-", color="darkgreen")
+    right.set_xlabel("concurrent users")
+    right.set_ylabel("total output tok/s")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(users, [str(u) for u in users])
+    return to_png(fig)
+
+
+def plot_ttft_vs_speed(run, measured, roof):
+    import matplotlib.pyplot as plt
+
+    if not any(m.output_tok_s for _, m in measured):
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for cat in sorted({r.category for r, _ in measured}):
+        pts = [(m.ttft_s * 1e3, m.output_tok_s) for r, m in measured if r.category == cat and m.output_tok_s]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12, alpha=0.7, label=cat)
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("output tok/s")
+    ax.legend(loc="best", fontsize=8)
+    return to_png(fig)
+
+
+def plot_compare(run, measured, roof):
+    import matplotlib.pyplot as plt
+
+    arms = sorted({r.arm for r, _ in measured if r.arm})
+    if len(arms) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.boxplot([[m.output_tok_s for r, m in measured if r.arm == a and m.output_tok_s] for a in arms])
+    ax.set_xticks(range(1, len(arms) + 1), [run.config.get(f"label_{a.lower()}") or a for a in arms])
+    ax.set_ylabel("output tok/s")
+    roof_line(ax, roof)
+    return to_png(fig)

@@ -1,0 +1,175 @@
+"""The HTTP application: OpenAI's chat and text completion endpoints, models, health and metrics, over one engine.
+
+A request is checked and tokenized (prepare), takes its place in the FIFO (scheduler), and once its first token
+exists is answered as one JSON object or as Server-Sent Events (protocol). Until then no byte has gone out, so
+errors keep their HTTP status; a client that leaves at any point frees the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from fastdecode.errors import FastdecodeError
+from fastdecode.server.config import ServerConfig
+from fastdecode.server.errors import ApiError, error_body, install_error_handlers
+from fastdecode.server.limits import BodyLimit, bearer_check
+from fastdecode.server.metrics import CountRequests, Metrics
+from fastdecode.server.prepare import EngineRequest, ServedModel, chat_request, completion_request
+from fastdecode.server.protocol import DONE, ChatFormatter, TextFormatter, sse
+from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler
+from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    pass
+
+
+def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    served = ServedModel(llm, config.served_model_name)
+    metrics = Metrics()
+    scheduler = Scheduler(config.max_queue, metrics)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="fastdecode", summary="OpenAI-compatible API over one fastdecode engine",
+                  version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(CountRequests, metrics=metrics)
+    auth = [Depends(bearer_check(config.api_key))]
+    app.state.scheduler, app.state.metrics, app.state.served = scheduler, metrics, served
+
+    def model_card() -> dict:
+        return {"id": served.id, "object": "model", "created": started, "owned_by": "fastdecode",
+                "max_model_len": llm.max_seq_len}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": served.id, "queue_depth": scheduler.waiting}
+
+    @app.get("/metrics", dependencies=auth)
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model}", dependencies=auth)
+    async def get_model(model: str):
+        served.check_model(model)
+        return model_card()
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        served.check_model(body.model)
+        job = await run_in_threadpool(chat_request, body, served)
+        fmt = ChatFormatter(served.id, llm.tokenizer, len(job.prompt_ids), job.params.logprobs is not None,
+                            include_usage(body), tool_names=job.tool_names)
+        return await answer(request, job, fmt, bool(body.stream))
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request):
+        served.check_model(body.model)
+        job = await run_in_threadpool(completion_request, body, served)
+        fmt = TextFormatter(served.id, llm.tokenizer, len(job.prompt_ids), job.params.logprobs is not None,
+                            include_usage(body), echo=job.echo)
+        return await answer(request, job, fmt, bool(body.stream))
+
+    async def answer(request: Request, job: EngineRequest, fmt, stream: bool):
+        try:
+            run = scheduler.submit(lambda: llm.stream(job.prompt_ids, job.params, job.logits_processor),
+                                   config.request_timeout_s)
+        except QueueFull as e:
+            raise ApiError(429, f"The server is busy: {scheduler.waiting} requests are waiting for the engine. "
+                                f"Retry after {e.retry_after} s.", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        chunks = run.chunks()
+        handed_off = False
+        try:
+            first = await until_disconnected(request, anext(chunks, None))
+            if stream:
+                handed_off = True
+                return StreamingResponse(events(run, fmt, first, chunks), media_type="text/event-stream",
+                                         headers=SSE_HEADERS)
+            completion = await until_disconnected(request, collect(fmt, first, chunks))
+            return JSONResponse(fmt.response(completion, run.end, run.queue_s))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
+        except QueueTimeout as e:
+            raise ApiError(503, str(e), code="timeout", headers={"Retry-After": "1"}) from None
+        except FastdecodeError as e:
+            raise ApiError(400, str(e)) from None
+        finally:
+            if not handed_off:
+                finished(run, fmt)
+
+    async def collect(fmt, first, chunks):
+        """Feeds every chunk to the formatter; returns the engine's Completion (None if generation was cut)."""
+        chunk = first
+        while chunk is not None:
+            fmt.add(chunk)
+            fmt.completion = chunk.completion or fmt.completion
+            chunk = await anext(chunks, None)
+        return fmt.completion
+
+    async def events(run: Run, fmt, first, chunks):
+        try:
+            for c in fmt.start():
+                yield sse(c)
+            chunk = first
+            while chunk is not None:
+                for c in fmt.add(chunk):
+                    yield sse(c)
+                fmt.completion = chunk.completion or fmt.completion
+                chunk = await anext(chunks, None)
+            for c in fmt.finish(fmt.completion, run.end, run.queue_s):
+                yield sse(c)
+            yield DONE
+        except Exception as e:  # the engine failed mid-stream; OpenAI's clients raise on an error event
+            yield sse(error_body(400 if isinstance(e, FastdecodeError) else 500, str(e) or type(e).__name__))
+        finally:
+            finished(run, fmt)
+
+    def finished(run: Run, fmt):
+        """Books a request that is over, however it ended; a run still going (its client left) is stopped."""
+        if run.end is None:
+            run.cancel()
+            metrics.cancelled.labels("client").inc()
+        elif run.end == "timeout":
+            metrics.cancelled.labels("timeout").inc()
+        if run.started is not None and run.end != "error":
+            metrics.observe_completion(fmt.prompt_tokens, fmt.tokens, fmt.completion)
+
+    async def until_disconnected(request: Request, awaitable):
+        """Awaits `awaitable` unless the client disconnects first (polled: no bytes have gone out yet)."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=config.disconnect_poll_s)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ClientGone()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    return app
+
+
+def include_usage(body) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)

@@ -1,0 +1,50 @@
+"""`fastdecode serve`: the OpenAI-compatible server on one model."""
+from __future__ import annotations
+
+import ipaddress
+
+import click
+
+from fastdecode.engine.cli import build_llm, err, model_options
+from fastdecode.server.config import ServerConfig
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command()
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. Anything but loopback exposes the model to the network: set an API key.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="FASTDECODE_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on /v1/* and /metrics (or set FASTDECODE_API_KEY).")
+@click.option("--served-model-name", default=None, help="The model id clients send (default: the -m argument).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait for the engine; one more gets 429 with Retry-After.")
+@click.option("--request-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+              help="Seconds a request may take, queue wait included.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True)
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True)
+def serve(host, port, api_key, served_model_name, max_queue, request_timeout, max_body_bytes, log_level, **engine):
+    """Serve MODEL over an OpenAI-compatible HTTP API (chat and text completions, tools, streaming)."""
+    import uvicorn
+
+    from fastdecode.server.app import create_app
+
+    config = ServerConfig(host=host, port=port, api_key=api_key or None, served_model_name=served_model_name,
+                          max_queue=max_queue, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes)
+    if not is_loopback(host) and not config.api_key:
+        err.print(f"[yellow]warning: serving on {host} without an API key: anyone who reaches the port can use "
+                  "the model[/yellow]")
+    llm = build_llm(**engine)
+    app = create_app(llm, config)
+    err.print(f"[cyan]{app.state.served.id} on http://{host}:{port}/v1 "
+              f"(speculate {llm.speculate}, queue {max_queue}{', API key required' if config.api_key else ''})[/cyan]")
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,16 @@
+"""What `fastdecode serve` is told, beside the engine's own options."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback unless told otherwise: whoever reaches the port can run the model
+    port: int = 8000
+    api_key: str | None = None  # when set, /v1/* and /metrics need `Authorization: Bearer <key>`
+    served_model_name: str | None = None  # the id clients send as `model` (default: the -m argument)
+    max_queue: int = 64  # requests waiting beyond the one generating; the next gets 429 with Retry-After
+    request_timeout_s: float = 600.0  # queue wait plus generation; past it the reply ends with finish_reason length
+    max_body_bytes: int = 8 * 2**20  # a 128k-token conversation is about 0.5 MB of JSON
+    disconnect_poll_s: float = 0.25  # how often a request that has no bytes out yet checks its client is there

@@ -1,0 +1,75 @@
+"""Every error the server answers, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from fastdecode.errors import FastdecodeError
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+         429: "rate_limit_error", 503: "server_overloaded", 500: "server_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error" if status < 500
+                                                              else "server_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """pydantic's first error as one sentence, and the parameter it names ("messages.0.role")."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}", None
+    if first.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {'.'.join(loc)}", ".".join(loc) or None
+    if first.get("type") == "missing":
+        return f"Missing required parameter: '{'.'.join(loc)}'", ".".join(loc) or None
+    param = ".".join(loc) or None
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{first.get('msg', 'invalid value')}{' at ' + param if param else ''}{more}", param
+
+
+def install_error_handlers(app: FastAPI):
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(FastdecodeError)
+    async def engine_error(request: Request, exc: FastdecodeError):
+        return error_response(400, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            message = "the request body is not valid UTF-8"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception):  # a bug of ours: say so without leaking internals
+        return error_response(500, f"internal error ({type(exc).__name__})")

@@ -1,0 +1,220 @@
+"""An OpenAI request -> what the engine runs: prompt token ids, SamplingParams and a logits processor, plus the tool
+names whose calls the reply is parsed for. Every mistake in the request raises ApiError (400/404) here, before the
+request takes a place in the queue."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fastdecode.engine.constraints import GrammarProcessor, TokenTexts, json_object_grammar
+from fastdecode.engine.sampling import MIN_TEMPERATURE, SamplingParams
+from fastdecode.errors import FastdecodeError
+from fastdecode.server.errors import ApiError
+from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest, Sampling
+from fastdecode.server.tools import forced_call_grammar, template_knows_tools, template_messages
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none
+
+
+@dataclass
+class EngineRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    logits_processor: Callable | None = None
+    tool_names: list[str] | None = None  # parse the reply for calls to these; None: the reply is plain text
+    echo: str | None = None  # prompt text that /v1/completions puts before the output
+
+
+class ServedModel:
+    """The engine and what the API calls it; the vocabulary's token texts are built on the first constrained
+    request."""
+
+    def __init__(self, llm, name: str | None = None):
+        self.llm = llm
+        self.id = name or llm.name
+        self.aliases = {self.id, llm.name, Path(llm.name).name, Path(llm.name).stem}
+        self._texts: TokenTexts | None = None
+
+    def check_model(self, model: str):
+        if model not in self.aliases:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.id}`", "model",
+                           "model_not_found")
+
+    def token_texts(self) -> TokenTexts:
+        if self._texts is None:
+            self._texts = TokenTexts.from_tokenizer(self.llm.tokenizer)
+        return self._texts
+
+
+def chat_request(body: ChatCompletionRequest, served: ServedModel) -> EngineRequest:
+    llm = served.llm
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    names = [t["function"]["name"] for t in tools]
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    forced = None
+    if not isinstance(choice, str):
+        if choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names `{choice.function.name}`, which is not among the tools",
+                           "tool_choice")
+        forced = [t for t in tools if t["function"]["name"] == choice.function.name]
+    elif choice == "required":
+        if not tools:
+            raise ApiError(400, "tool_choice 'required' needs at least one tool", "tool_choice")
+        forced = tools
+    if choice == "none":
+        tools = []
+    messages = [message_dict(m) for m in body.messages]
+    knows_tools = template_knows_tools(llm.tokenizer.chat_template)
+    rendered = template_messages(messages, tools, knows_tools)
+    prompt_ids = encode(lambda: llm.chat_prompt(rendered, tools if tools and knows_tools else None))
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, prompt_ids, max_tokens, logprobs, llm.max_seq_len)
+    grammar = forced_call_grammar(forced) if forced else response_grammar(body.response_format)
+    processor = logits_processor(body, grammar, params, served)
+    return EngineRequest(prompt_ids, params, processor, names if tools else None)
+
+
+def completion_request(body: CompletionRequest, served: ServedModel) -> EngineRequest:
+    llm = served.llm
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, "this server takes one prompt per request", "prompt")
+        prompt = prompt[0]
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", "suffix")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        unicode_text(prompt, "prompt")
+        prompt_ids = encode(lambda: llm.encode_prompt(prompt))
+    else:
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        if not all(0 <= i < llm.config.vocab_size for i in prompt):
+            raise ApiError(400, f"prompt token ids must lie in [0, {llm.config.vocab_size})", "prompt")
+        prompt_ids = list(prompt)
+    echo = None
+    if body.echo:
+        echo = prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt_ids)
+    params = sampling_params(body, prompt_ids, body.max_tokens, body.logprobs, llm.max_seq_len)
+    grammar = response_grammar(body.response_format)
+    return EngineRequest(prompt_ids, params, logits_processor(body, grammar, params, served), echo=echo)
+
+
+def response_grammar(response_format):
+    """json_object: any object; json_schema: an object with the schema's top-level keys (values are not checked)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    schema = (response_format.json_schema or {}).get("schema") if response_format.type == "json_schema" else None
+    return json_object_grammar(schema)
+
+
+def message_dict(m) -> dict:
+    """A message with its content as one string (text parts joined), without the fields it does not set."""
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise ApiError(400, f"content parts of type `{part.type}` are not supported: this server reads "
+                                    "text", "messages")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    if content is not None:
+        unicode_text(content, "messages")
+    out = {"role": m.role, "content": content}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def unicode_text(text: str, param: str):
+    """JSON can spell lone surrogates (\\ud800); they are not text and the tokenizer cannot take them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the text is not valid Unicode: it holds a lone surrogate", param) from None
+
+
+def encode(make_ids: Callable[[], list[int]]) -> list[int]:
+    try:
+        return make_ids()
+    except FastdecodeError as e:
+        raise ApiError(400, str(e), "messages") from None
+    except (UnicodeError, TypeError, ValueError) as e:  # e.g. a lone surrogate the tokenizer cannot take
+        raise ApiError(400, f"the prompt cannot be tokenized: {type(e).__name__}", "messages") from None
+
+
+def sampling_params(body: Sampling, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
+                    context: int) -> SamplingParams:
+    room = context - len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = room
+    if max_tokens > room:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, {max_tokens} "
+                            "in the completion). Please reduce the length of the messages or completion.",
+                       "messages", "context_length_exceeded")
+    if max_tokens < 1:
+        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) fills the context of {context} tokens",
+                       "messages", "context_length_exceeded")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p == 0 or temperature < MIN_TEMPERATURE:  # OpenAI accepts top_p 0: only the likeliest token
+        temperature, top_p = 0.0, 1.0
+    for s in stop:
+        unicode_text(s, "stop")
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=body.top_k or 0,
+                              min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
+                              presence_penalty=body.presence_penalty or 0.0,
+                              frequency_penalty=body.frequency_penalty or 0.0, seed=body.seed, stop=stop,
+                              ignore_eos=bool(body.ignore_eos), logprobs=logprobs)
+    except FastdecodeError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def logits_processor(body: Sampling, grammar, params: SamplingParams, served: ServedModel):
+    """logit_bias, then the grammar (it picks among the biased logits), as one processor."""
+    processors = []
+    if body.logit_bias:
+        processors.append(bias_processor(body.logit_bias, served.llm.config.vocab_size))
+    if grammar is not None:
+        first_only = params.greedy and not params.penalised
+        processors.append(GrammarProcessor(grammar, served.token_texts(), served.llm.tokenizer.eos_token_ids,
+                                           first_only=first_only))
+        params.ignore_eos = False  # the grammar ends the reply with end-of-sequence
+    if not processors:
+        return None
+    if len(processors) == 1:
+        return processors[0]
+
+    def chain(output_ids, logits):
+        for p in processors:
+            logits = p(output_ids, logits)
+        return logits
+    return chain
+
+
+def bias_processor(logit_bias: dict[str, float], vocab_size: int):
+    bias = torch.zeros(vocab_size)
+    for key, value in logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys must be token ids, not {key!r}", "logit_bias") from None
+        if not 0 <= token < vocab_size or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias: token ids lie in [0, {vocab_size}) and biases in [-100, 100]",
+                           "logit_bias")
+        bias[token] = value
+    return lambda output_ids, logits: logits + bias

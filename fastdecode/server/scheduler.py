@@ -1,0 +1,148 @@
+"""One request at a time on the engine, the rest in a bounded first-in-first-out queue.
+
+The engine holds one KV cache, so a single worker thread owns it: it takes requests in arrival order, iterates
+`LLM.stream` and hands each chunk to the request's asyncio queue on the event loop. A request whose client went
+away, or whose time ran out, is dropped from the queue or has its stream closed after the current token, which
+releases the engine for the next one.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from fastdecode.engine.llm import StreamChunk
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"the server is busy: {retry_after} s")
+        self.retry_after = retry_after
+
+
+class QueueTimeout(Exception):
+    """The request's time limit passed before the engine reached it."""
+
+
+@dataclass
+class Run:
+    """One request's passage through the engine; its events arrive on `events` as (kind, value):
+    ("chunk", StreamChunk), ("error", exception) or ("end", "done" | "cancelled" | "timeout"). `end` is set once
+    the consumer has seen the last event ("error" for an exception)."""
+    open_stream: Callable[[], Iterator[StreamChunk]]
+    loop: asyncio.AbstractEventLoop
+    deadline: float  # time.monotonic() after which generation stops
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    end: str | None = None
+
+    def cancel(self):
+        self.cancelled.set()
+
+    @property
+    def queue_s(self) -> float:
+        return (self.started or time.monotonic()) - self.submitted
+
+    def post(self, kind: str, value):
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is gone: the server is shutting down
+            self.cancel()
+
+    async def chunks(self):
+        """The engine's chunks as they come; raises the engine's exception, if any; sets `end`."""
+        while True:
+            kind, value = await self.events.get()
+            if kind == "chunk":
+                yield value
+            elif kind == "error":
+                self.end = "error"
+                raise value
+            else:
+                self.end = value
+                return
+
+
+class Scheduler:
+    def __init__(self, max_queue: int, metrics=None):
+        self.max_queue = max_queue  # requests waiting beyond the one generating; more get 429
+        self.metrics = metrics
+        self.jobs: queue.Queue[Run | None] = queue.Queue()
+        self.lock = threading.Lock()
+        self.waiting = 0
+        self.busy = False  # the worker is generating
+        self.service_s = 1.0  # moving average of a request's engine time, for Retry-After
+        self.thread: threading.Thread | None = None
+
+    def start(self):
+        self.thread = threading.Thread(target=self._work, name="fastdecode-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout: float = 5.0):
+        if self.thread is not None:
+            self.jobs.put(None)
+            self.thread.join(timeout)
+
+    def submit(self, open_stream: Callable[[], Iterator[StreamChunk]], timeout_s: float) -> Run:
+        """Queues a request (call on the event loop); raises QueueFull when `max_queue` requests already wait."""
+        with self.lock:
+            if self.waiting >= self.max_queue + (0 if self.busy else 1):  # an idle engine takes one at once
+                raise QueueFull(max(1, math.ceil(self.service_s * (self.waiting + 1))))
+            self.waiting += 1
+        run = Run(open_stream, asyncio.get_running_loop(), time.monotonic() + timeout_s)
+        self._gauges()
+        self.jobs.put(run)
+        return run
+
+    def _gauges(self, running: int | None = None):
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(self.waiting)
+            if running is not None:
+                self.metrics.running.set(running)
+
+    def _work(self):
+        while (run := self.jobs.get()) is not None:
+            with self.lock:
+                self.waiting -= 1
+                self.busy = True
+            run.started = time.monotonic()
+            self._gauges(running=1)
+            try:
+                self._generate(run)
+            except Exception as e:  # the request's error (InvalidRequestError) or ours: the handler answers it
+                run.post("error", e)
+            finally:
+                with self.lock:
+                    self.busy = False
+                self._gauges(running=0)
+                self.service_s = 0.8 * self.service_s + 0.2 * (time.monotonic() - run.started)
+
+    def _generate(self, run: Run):
+        if run.cancelled.is_set():
+            return run.post("end", "cancelled")
+        if time.monotonic() > run.deadline:
+            return run.post("error", QueueTimeout("the request's time limit passed while it waited for the engine"))
+        if self.metrics is not None:
+            self.metrics.queue_wait.observe(run.queue_s)
+        stream = run.open_stream()
+        end = "done"
+        try:
+            for chunk in stream:
+                run.post("chunk", chunk)
+                if chunk.completion is not None:
+                    break
+                if run.cancelled.is_set():
+                    end = "cancelled"
+                    break
+                if time.monotonic() > run.deadline:
+                    end = "timeout"
+                    break
+        finally:
+            stream.close()  # a generator closed early releases LLM.lock
+        run.post("end", end)

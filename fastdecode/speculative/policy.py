@@ -1,0 +1,117 @@
+"""Adaptive speculation: how many draft nodes to verify each step (0 is plain decode), to maximise expected tokens
+per second.
+
+A verify step over n draft nodes costs t(1 + n) seconds (measured at start-up: on a memory-bound machine t grows
+slowly with n, on a compute-bound one fast) and emits 1 + (expected accepted nodes) tokens. A node's chance of
+being accepted is its drafter's score, calibrated online against what was actually accepted (per drafter, in score
+bins). The step takes the n with the most tokens per second; when drafts are poor that is n = 0, plain decoding,
+so speculation never costs more than a proposal lookup.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from fastdecode.speculative.draft import Draft
+
+BINS = 10
+
+
+@dataclass
+class CostModel:
+    sizes: list[int]  # tokens per forward (1 = plain decode step)
+    seconds: list[float]
+
+    def __call__(self, tokens: int) -> float:
+        """Linear interpolation between measured sizes (extrapolated past the last)."""
+        s, t = self.sizes, self.seconds
+        if tokens <= s[0]:
+            return t[0]
+        i = min(bisect.bisect_left(s, tokens), len(s) - 1)
+        lo, hi = i - 1, i
+        return t[lo] + (t[hi] - t[lo]) * (tokens - s[lo]) / (s[hi] - s[lo])
+
+    def observe(self, tokens: int, seconds: float, weight: float = 0.1):
+        """Folds a timed step into the nearest measured size, so the model follows a machine that got busier or
+        quieter since start-up (the scale carried over by the model's own ratio between the two sizes)."""
+        i = min(range(len(self.sizes)), key=lambda j: abs(self.sizes[j] - tokens))
+        scaled = seconds * self.seconds[i] / self(tokens)
+        self.seconds[i] += weight * (scaled - self.seconds[i])
+        for j in range(1, len(self.seconds)):
+            self.seconds[j] = max(self.seconds[j], self.seconds[j - 1])
+        for j in range(len(self.seconds) - 2, -1, -1):
+            self.seconds[j] = min(self.seconds[j], self.seconds[j + 1])
+
+    @classmethod
+    def measure(cls, forward, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24), repeats: int = 5) -> "CostModel":
+        """forward(n) runs one forward over n new tokens; the median of `repeats` timings per size, sizes
+        interleaved so that a burst of noise does not hit one size only."""
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        forward(1)  # warm-up
+        for _ in range(repeats):
+            for n in sizes:
+                t0 = time.perf_counter()
+                forward(n)
+                times[n].append(time.perf_counter() - t0)
+        seconds = [sorted(times[n])[repeats // 2] for n in sizes]
+        for i in range(1, len(seconds)):  # more tokens never cost less: smooth out noise
+            seconds[i] = max(seconds[i], seconds[i - 1])
+        return cls(list(sizes), seconds)
+
+
+@dataclass
+class Calibration:
+    """P(a node's path is accepted | its drafter's score), per score bin, with decay so it tracks the workload."""
+    hits: list[float] = field(default_factory=lambda: [0.0] * BINS)
+    tries: list[float] = field(default_factory=lambda: [0.0] * BINS)
+    decay: float = 0.995
+    prior_weight: float = 2.0
+
+    def estimate(self, score: float) -> float:
+        b = min(int(score * BINS), BINS - 1)
+        prior = 0.5 * score  # untested drafters start pessimistic
+        return (self.hits[b] + self.prior_weight * prior) / (self.tries[b] + self.prior_weight)
+
+    def update(self, score: float, accepted: bool):
+        b = min(int(score * BINS), BINS - 1)
+        self.hits[b] = self.hits[b] * self.decay + accepted
+        self.tries[b] = self.tries[b] * self.decay + 1
+
+
+class Policy:
+    def __init__(self, cost: CostModel, max_nodes: int = 24, adaptive: bool = True):
+        self.cost, self.max_nodes, self.adaptive = cost, max_nodes, adaptive
+        self.calibration: dict[str, Calibration] = {}
+
+    def estimates(self, draft: Draft) -> list[float]:
+        cal = self.calibration.setdefault(draft.drafter, Calibration())
+        est = []
+        for score, parent in zip(draft.scores, draft.parents):
+            e = cal.estimate(score)
+            est.append(min(e, est[parent]) if parent >= 0 else e)  # a path is never likelier than its prefix
+        return est
+
+    def choose(self, draft: Draft | None, draft_seconds: float = 0.0) -> tuple[Draft | None, float]:
+        """-> (the nodes worth verifying or None for plain decode, expected tokens per second)."""
+        plain = 1.0 / self.cost(1)
+        if not draft:
+            return None, plain
+        if not self.adaptive:
+            return draft.subset(list(range(min(len(draft), self.max_nodes)))), float("inf")
+        est = self.estimates(draft)
+        order = sorted(range(len(draft)), key=lambda i: (-est[i], i))[:self.max_nodes]
+        best_n, best_rate, expected = 0, plain, 1.0
+        for n, i in enumerate(order, start=1):
+            expected += est[i]
+            rate = expected / (self.cost(1 + n) + draft_seconds)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return (draft.subset(order[:best_n]) if best_n else None), best_rate
+
+    def learn(self, draft: Draft, path: list[int]):
+        """Every verified node was a try; the nodes on the accepted path were hits."""
+        cal = self.calibration.setdefault(draft.drafter, Calibration())
+        accepted = set(path)
+        for i, score in enumerate(draft.scores):
+            cal.update(score, i in accepted)

@@ -1,0 +1,144 @@
+"""SuffixDecoding (Oliaro et al., 2024): suffix tries over the current request and over earlier requests of this
+process; the longest suffix of the context found in a trie leads to a node whose subtree holds every continuation
+seen after that pattern, with counts. The draft is a tree of the most frequent continuations, grown best-first by
+empirical path probability, as deep as the match is long (a long match predicts well; a one-token match, little)."""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+
+from fastdecode.speculative.draft import Draft
+from fastdecode.speculative.drafter import Drafter
+
+
+class Node:
+    __slots__ = ("children", "count", "seq")
+
+    def __init__(self, seq: int = -1):
+        self.children: dict[int, Node] = {}
+        self.count = 0
+        self.seq = seq  # the latest sequence whose suffix passed through here (for least-recently-used eviction)
+
+
+class SuffixTrie:
+    """Every suffix of the inserted sequences, cut at `depth` tokens, with occurrence counts per node."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.root = Node()
+
+    def extend(self, active: list[Node], token: int, seq: int = -1) -> list[Node]:
+        """Appends a token to a sequence being inserted: `active` are the nodes of its suffixes that are still
+        shorter than `depth` (the root stands for the empty suffix). Returns the new active list."""
+        out = []
+        for node in active + [self.root]:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = Node(seq)
+            child.count += 1
+            child.seq = seq
+            out.append(child)
+        return out[-self.depth + 1:] if self.depth > 1 else []
+
+    def insert(self, tokens: list[int], seq: int = -1):
+        active: list[Node] = []
+        for t in tokens:
+            active = self.extend(active, t, seq)
+
+    def remove(self, tokens: list[int]):
+        """Undoes insert(tokens): decrements every suffix path and drops nodes whose count reaches zero."""
+        for i in range(len(tokens)):
+            node = self.root
+            for t in tokens[i:i + self.depth]:
+                child = node.children[t]
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[t]
+                    break
+                node = child
+
+    def match(self, context: list[int], max_len: int) -> tuple[int, Node | None]:
+        """The longest suffix of context (up to max_len tokens) present in the trie *and* followed by something:
+        -> (its length, its node)."""
+        for m in range(min(max_len, len(context), self.depth - 1), 0, -1):
+            node = self.root
+            for t in context[len(context) - m:]:
+                node = node.children.get(t)
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return m, node
+        return 0, None
+
+
+def grow_tree(node: Node, budget: int, max_depth: int, min_prob: float, drafter: str) -> Draft:
+    """Best-first: always adds the candidate continuation with the highest empirical path probability."""
+    draft = Draft(drafter=drafter)
+    heap = []  # (-probability, tie-breaker, token, trie node, parent index in the draft, depth)
+    order = itertools.count()
+
+    def push_children(n: Node, prob: float, parent: int, depth: int):
+        total = sum(c.count for c in n.children.values())
+        for token, c in n.children.items():
+            p = prob * c.count / total
+            if p >= min_prob:
+                heapq.heappush(heap, (-p, next(order), token, c, parent, depth))
+
+    push_children(node, 1.0, -1, 1)
+    while heap and len(draft) < budget:
+        neg_p, _, token, c, parent, depth = heapq.heappop(heap)
+        index = draft.add(token, parent, -neg_p)
+        if depth < max_depth and c.children:
+            push_children(c, -neg_p, index, depth + 1)
+    return draft
+
+
+class SuffixDrafter(Drafter):
+    name = "suffix"
+
+    def __init__(self, depth: int = 24, max_match: int = 16, depth_per_match: float = 2.0, min_prob: float = 0.05,
+                 global_tokens: int = 32768):
+        self.depth, self.max_match = depth, max_match
+        self.depth_per_match, self.min_prob = depth_per_match, min_prob
+        self.global_trie = SuffixTrie(depth)  # earlier requests' prompts and outputs, shared across requests
+        self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # least recently used first
+        self.global_tokens, self.stored, self.next_seq = global_tokens, 0, 0
+        self.start([])
+
+    def start(self, prompt_ids: list[int], params=None):
+        self.local = SuffixTrie(self.depth)
+        self.active: list[Node] = []
+        self.inserted = 0
+        self.observe(prompt_ids)
+
+    def observe(self, context: list[int]):
+        for t in context[self.inserted:]:
+            self.active = self.local.extend(self.active, t)
+        self.inserted = len(context)
+
+    def propose(self, context: list[int], budget: int) -> Draft | None:
+        self.observe(context)
+        best = None
+        for trie in (self.local, self.global_trie):
+            m, node = trie.match(context, self.max_match)
+            if node is None:
+                continue
+            draft = grow_tree(node, budget, max(1, int(self.depth_per_match * m)), self.min_prob, self.name)
+            if trie is self.global_trie and node.seq in self.sequences:
+                self.sequences.move_to_end(node.seq)  # used: evict it last
+            if best is None or sum(draft.scores) > sum(best.scores):
+                best = draft
+        return best if best else None
+
+    def finish(self, context: list[int]):
+        """Keeps the finished request's prompt and output for later requests, evicting the least recently used."""
+        tokens = list(context[-self.global_tokens:])
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        self.global_trie.insert(tokens, seq)
+        self.sequences[seq] = tokens
+        self.stored += len(tokens)
+        while self.stored > self.global_tokens and len(self.sequences) > 1:
+            _, old = self.sequences.popitem(last=False)
+            self.global_trie.remove(old)
+            self.stored -= len(old)

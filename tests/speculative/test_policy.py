@@ -1,0 +1,66 @@
+"""The adaptive policy: the cost model, calibration of drafter scores, and falling back to plain decoding."""
+import pytest
+
+from fastdecode.engine.sampling import SamplingParams
+from fastdecode.kernels import native_ops
+from fastdecode.speculative.draft import Draft
+from fastdecode.speculative.policy import CostModel, Policy
+from tests.speculative.helpers import plain_tokens, speculative_tokens, tiny_target
+from fastdecode.speculative.drafter import Drafter
+
+
+def linear_cost() -> CostModel:
+    return CostModel([1, 2, 4, 8], [1.0, 1.5, 2.5, 4.5])  # each extra token costs half a decode step
+
+
+def test_cost_model_interpolates_and_follows_observations():
+    cost = linear_cost()
+    assert cost(3) == pytest.approx(2.0)
+    assert cost(16) == pytest.approx(8.5)  # extrapolated along the last segment
+    for _ in range(100):
+        cost.observe(1, 2.0)  # the machine got twice as slow for plain steps
+    assert cost(1) == pytest.approx(2.0, rel=0.01)
+    assert cost(2) >= cost(1)  # stays monotone
+
+
+def test_confident_drafts_are_verified_and_poor_ones_are_not():
+    policy = Policy(linear_cost())
+    chain = Draft.chain([1, 2, 3, 4], [0.99, 0.98, 0.97, 0.96], drafter="d")
+    for _ in range(200):  # the drafter's confident drafts were always accepted
+        policy.learn(chain, [0, 1, 2, 3])
+    chosen, rate = policy.choose(chain)
+    assert len(chosen) == 4 and rate > 1.0
+    for _ in range(2000):  # now they never are
+        policy.learn(chain, [])
+    chosen, rate = policy.choose(chain)
+    assert chosen is None and rate == pytest.approx(1.0)
+
+
+def test_tree_nodes_are_chosen_parents_first():
+    policy = Policy(CostModel([1, 64], [1.0, 1.0]))
+    d = Draft(drafter="t")
+    a = d.add(1, -1, 0.9)
+    d.add(2, a, 0.8)
+    d.add(3, -1, 0.05)
+    chosen, _ = policy.choose(d)
+    assert chosen.tokens[:2] == [1, 2] and chosen.parents[:2] == [-1, 0]
+
+
+class WrongDrafter(Drafter):
+    """Always confident, always wrong: the adversary that makes naive speculation slower than plain decoding."""
+    name = "wrong"
+
+    def propose(self, context, budget):
+        return Draft.chain([(context[-1] + 1 + i) % 128 for i in range(min(budget, 4))], [0.95] * min(budget, 4),
+                           drafter=self.name)
+
+
+@pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable")
+def test_adaptive_policy_stops_verifying_a_drafter_that_is_always_wrong():
+    model, decoder = tiny_target()
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+    prompt = [1, 2, 3, 4]
+    got, stats = speculative_tokens(model, decoder, [WrongDrafter()], prompt, params, adaptive=True,
+                                    cost=linear_cost())
+    assert got == plain_tokens(model, decoder, prompt, params)
+    assert stats.verify_steps < 0.2 * stats.steps  # a few tries, then plain decode steps

@@ -1,0 +1,67 @@
+"""Suffix tries and the suffix drafter on tiny token arrays."""
+from fastdecode.speculative.suffix import SuffixDrafter, SuffixTrie
+
+
+def test_trie_counts_every_suffix_up_to_its_depth():
+    trie = SuffixTrie(depth=3)
+    trie.insert([1, 2, 1, 2])
+    assert trie.root.children[1].count == 2
+    assert trie.root.children[1].children[2].count == 2
+    assert trie.root.children[2].children[1].children[2].count == 1
+    assert max_depth(trie.root) == 3
+
+
+def max_depth(node) -> int:
+    return 1 + max((max_depth(c) for c in node.children.values()), default=0) if node.children else 0
+
+
+def test_remove_undoes_insert():
+    trie = SuffixTrie(depth=4)
+    trie.insert([1, 2, 3])
+    trie.insert([2, 3, 4, 5])
+    trie.remove([1, 2, 3])
+    reference = SuffixTrie(depth=4)
+    reference.insert([2, 3, 4, 5])
+    assert as_dict(trie.root) == as_dict(reference.root)
+
+
+def as_dict(node):
+    return {t: (c.count, as_dict(c)) for t, c in node.children.items()}
+
+
+def test_match_finds_the_longest_suffix_with_a_continuation():
+    trie = SuffixTrie(depth=8)
+    trie.insert([9, 1, 2, 3, 4])
+    length, node = trie.match([7, 1, 2, 3], max_len=8)
+    assert length == 3 and list(node.children) == [4]
+
+
+def test_draft_tree_branches_by_frequency():
+    d = SuffixDrafter(depth_per_match=2)
+    # After "1 2", 3 followed twice and 4 once: both branches, 3 first and likelier.
+    context = [1, 2, 3, 5, 1, 2, 3, 6, 1, 2, 4, 7, 1, 2]
+    d.start(context)
+    draft = d.propose(context, budget=8)
+    first_level = {t: s for t, s, p in zip(draft.tokens, draft.scores, draft.parents) if p == -1}
+    assert set(first_level) == {3, 4}
+    assert first_level[3] > first_level[4]
+    assert abs(first_level[3] - 2 / 3) < 1e-9
+
+
+def test_depth_scales_with_match_length():
+    d = SuffixDrafter(depth_per_match=1)
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1]
+    d.start(context)
+    assert max(d.propose(context, budget=16).depths()) == 1  # a one-token match drafts one token deep
+
+
+def test_earlier_requests_are_remembered_and_evicted_oldest_first():
+    d = SuffixDrafter(global_tokens=12)
+    d.start([1, 2, 3, 4, 5, 6])
+    d.finish([1, 2, 3, 4, 5, 6])
+    d.start([20, 1, 2])
+    assert d.propose([20, 1, 2], budget=3).tokens == [3, 4, 5]  # learned from the earlier request
+    d.finish([20, 1, 2])
+    d.finish(list(range(30, 40)))  # 19 tokens stored > 12: the oldest request goes
+    d.start([1, 2])
+    assert d.propose([1, 2], budget=3) is None
