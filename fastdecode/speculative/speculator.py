@@ -83,7 +83,6 @@ class Speculator:
             drafters = {"ngram": lambda: [NgramDrafter()], "suffix": lambda: [SuffixDrafter()],
                         "layerskip": lambda: [layerskip()],
                         "auto": lambda: [SuffixDrafter(), NgramDrafter(), layerskip()]}[spec]()
-        log(f"speculation: {spec} (measuring the verify cost)")
         return cls(spec, model, decoder, drafters, llm.max_seq_len)
 
     @staticmethod
