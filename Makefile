@@ -68,3 +68,13 @@ lab: install
 	$(FASTDECODE) bench -m smollm2-135m --serve-arg "$(LAB_SERVE_ARGS)" --mode sequential --mode sweep \
 		--concurrency 1,2,4 --requests-per-user 1 --per-category 2 --max-tokens 128 --label "make lab" \
 		--report $(LAB_OUT)/lab.html --json $(LAB_OUT)/lab.json $(LAB_ARGS)
+
+# A trained EAGLE-3-style drafter head for SmolLM2-135M (docs/eagle.md), made by the model itself: its greedy answers
+# to generated and held-out bundled prompts plus stdlib sources. Writes head.safetensors, config.json and train.log to
+# DRAFTER_DIR (where `--speculate eagle` and `auto+eagle` look); rerun to resume an interrupted run.
+DRAFTER_DIR ?= $(or $(FASTDECODE_HOME),$(HOME)/.cache/fastdecode)/drafters/smollm2-135m
+DRAFTER_ARGS ?= --chat-prompts 16 --answer-tokens 96 --code-tokens 6000 --epochs 6 --batch 4 --lr 2e-3
+.PHONY: drafter
+drafter: install
+	$(FASTDECODE) pull smollm2-135m
+	$(FASTDECODE) train-drafter -m smollm2-135m --out $(DRAFTER_DIR) --threads $(THREADS) $(DRAFTER_ARGS)

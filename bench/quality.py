@@ -8,7 +8,7 @@ files), top-1 agreement with the float32 model's next token at the same position
 code prompts (tokens equal before the first difference, of 32), output tok/s of those greedy runs (decode only,
 median over the prompts) and the weight bytes one decode step reads. The float32 model is the reference; for the
 registered SmolLM2 that is its Q4_1 GGUF dequantized, so int4-g32 and gguf-q4_1 hold exactly its weights and differ
-from it only by the kernels' int8 rounding of activations. Quality figures are deterministic; speeds depend on the
+from it only by the int4 kernel's int8 rounding of activations. Quality figures are deterministic; speeds depend on the
 machine's load (recorded in the JSON).
 """
 from __future__ import annotations

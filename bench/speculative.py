@@ -4,6 +4,9 @@ llama.cpp's and transformers' prompt lookup, on the same prompts, in one run.
     python bench/speculative.py                 # 3 prompts per category, up to 128 tokens; bench/results/speculative.*
     python bench/speculative.py --quick         # 1 prompt per category, 32 tokens; speculative-quick.*
 
+`eagle` and `auto+eagle` use the trained head `make drafter` writes (docs/eagle.md); without it those rows are
+skipped.
+
 Every engine gets the same token ids (our chat template). Greedy decoding everywhere, except that the low-overlap
 category applies a repetition penalty of 1.15 in every engine (Hugging Face's rule over prompt and output; llama.cpp
 with its penalty window set to the whole context): a 135M model decoding greedily falls into loops, which would
@@ -27,6 +30,8 @@ from common import command_line, machine, markdown_table, write_json
 
 MODEL = "smollm2-135m"
 OURS = ["none", "ngram", "suffix", "layerskip", "auto"]
+# The trained head (`make drafter`, docs/eagle.md) alone and beside auto's drafters; skipped rows without a head.
+HEADS = ["eagle", "auto+eagle"]
 PEERS = ["llama.cpp", "llama.cpp+lookup", "transformers", "transformers+lookup"]
 LOW_OVERLAP_PENALTY = 1.15
 WINDOW = 32
@@ -205,7 +210,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--per-category", type=int, default=3, help="prompts per workload category")
     p.add_argument("--max-tokens", type=int, default=128, help="cap on each prompt's max_tokens")
-    p.add_argument("--configs", default=",".join(OURS), help="our --speculate values")
+    p.add_argument("--configs", default=",".join(OURS + HEADS), help="our --speculate values")
     p.add_argument("--peers", default=",".join(PEERS), help="peer engines, or '' for none")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--quick", action="store_true")
@@ -231,6 +236,7 @@ def main(argv=None):
             penalty = LOW_OVERLAP_PENALTY if category == "low_overlap" else 1.0
             items.append({"id": item.id, "category": category, "ids": ids,
                           "max_tokens": min(item.max_tokens, args.max_tokens), "penalty": penalty})
+    warm_up = tok.encode("Hello! Which day of the week is it today?")
     engines = [("fastdecode", c) for c in args.configs.split(",") if c]
     engines += [(e, e) for e in args.peers.split(",") if e]
     ctx = mp.get_context("spawn")
@@ -246,7 +252,7 @@ def main(argv=None):
             msg = receive(parent, proc)
             if msg.get("ready"):
                 workers[(name, config)] = (proc, parent)
-                parent.send((items[0]["ids"], 16, 1.0))  # warm-up
+                parent.send((warm_up, 16, 1.0))  # not a timed prompt: the suffix drafter would remember it
                 receive(parent, proc)
             else:
                 skipped[(name, config)] = msg.get("skipped") or msg.get("error")

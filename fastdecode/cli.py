@@ -49,3 +49,7 @@ main.add_command(bench_command)
 from fastdecode.server.cli import serve  # noqa: E402
 
 main.add_command(serve)
+
+from fastdecode.train.cli import train_drafter_command  # noqa: E402
+
+main.add_command(train_drafter_command)

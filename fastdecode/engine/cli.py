@@ -1,6 +1,7 @@
 """Engine commands: generate, chat, pull, models."""
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -32,8 +33,12 @@ def model_options(f):
         click.option("--max-seq-len", type=click.IntRange(min=16), default=4096, show_default=True,
                      help="KV-cache length: prompt plus output tokens."),
         click.option("--speculate", default="auto", show_default=True,
-                     help="Speculative decoding: none, ngram, suffix, layerskip, draft:MODEL or auto (lossless; "
-                          "adapts the draft length, down to plain decoding, to what is accepted)."),
+                     help="Speculative decoding: none, ngram, suffix, layerskip, draft:MODEL, auto, or a trained head: "
+                          "eagle[:DIR], auto+eagle[:DIR] (lossless; adapts the draft length, down to plain decoding, "
+                          "to what is accepted)."),
+        click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Tensor-parallel ranks, one process each: `torchrun --nproc-per-node N -m fastdecode ... "
+                          "--tp N` (docs/parallel.md)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -58,13 +63,17 @@ def sampling_options(f):
     return f
 
 
-def build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate="none"):
+def build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate="none", tp=1):
     from fastdecode.engine.llm import LLM
 
-    return LLM(model, dtype=dtype, quant=None if quant == "none" else quant, group_size=group_size,
-               threads=threads, max_seq_len=max_seq_len, speculate=speculate,
-               progress=lambda items: track(items, description="loading weights", console=err, transient=True),
-               log=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    make = LLM
+    if tp > 1:
+        from fastdecode.parallel.cli import build_parallel_llm
+        make = functools.partial(build_parallel_llm, tp)  # on ranks > 0: follows rank 0, then exits
+    return make(model, dtype=dtype, quant=None if quant == "none" else quant, group_size=group_size,
+                threads=threads, max_seq_len=max_seq_len, speculate=speculate,
+                progress=lambda items: track(items, description="loading weights", console=err, transient=True),
+                log=lambda msg: err.print(f"[dim]{msg}[/dim]"))
 
 
 def sampling_params(kw) -> SamplingParams:
@@ -103,13 +112,13 @@ def stream_to_stdout(chunks):
 @click.option("--system", default=None, help="System message (with --chat).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--speed-table", is_flag=True, help="After the answer, a table of speeds against this machine's roofline.")
-def generate(model, dtype, quant, group_size, threads, max_seq_len, speculate, prompt, as_chat, system, as_json,
+def generate(model, dtype, quant, group_size, threads, max_seq_len, speculate, tp, prompt, as_chat, system, as_json,
              speed_table, **kw):
     """Generate a completion for one prompt, streaming it, then print a line of speed figures."""
     params = sampling_params(kw)
     if prompt == "-":
         prompt = sys.stdin.read()
-    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate)
+    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate, tp)
     if as_chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         prompt_ids = llm.chat_prompt(messages)
@@ -156,10 +165,10 @@ def speed_report(llm, t: Timings) -> Table:
 @model_options
 @sampling_options
 @click.option("--system", default=None, help="System message.")
-def chat(model, dtype, quant, group_size, threads, max_seq_len, speculate, system, **kw):
+def chat(model, dtype, quant, group_size, threads, max_seq_len, speculate, tp, system, **kw):
     """Interactive chat with streaming output. /reset clears the conversation, /exit quits."""
     params = sampling_params(kw)
-    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate)
+    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate, tp)
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     err.print(f"[dim]{llm.name}: /reset clears the conversation, /exit quits[/dim]")

@@ -50,7 +50,8 @@ class StreamChunk:
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", quant: str | None = None,
                  group_size: int = 32, threads: int | None = None, max_seq_len: int = 4096, native: bool = True,
-                 speculate: str = "none", progress=None, log=lambda *a: None):
+                 speculate: str = "none", progress=None, log=lambda *a: None, load=load_model):
+        """`load(path, dtype, progress) -> model` builds the model (tensor parallelism passes its shard loader)."""
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         if threads:
@@ -59,7 +60,7 @@ class LLM:
         self.name = model
         self.dtype = dtype
         self.quant = quant
-        self.model = load_model(self.path, DTYPES[dtype], progress)
+        self.model = load(self.path, DTYPES[dtype], progress)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
         if quant:

@@ -9,6 +9,10 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <immintrin.h>
+
+#include "simd.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -53,53 +57,128 @@ void rotary(float* x, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
+using fastdecode::hsum;
+
+// e^x for x <= 0 (scores minus their maximum), as in Cephes' expf: 2^n * p(r) with r = x - n ln 2, |error| about
+// 1 ulp. std::exp per score cost more than the dot product that made it.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // keeps 2^n a normal float; e^-87 is 0 next to the max's 1
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// One query head (hd floats, hd % 8 == 0) against the keys and values in `slots` -> out (hd). Every key's score is
+// one FMA chain over hd and every output element one chain over the keys, whatever the number of keys or of tokens
+// in the call, so a token's result is the same in a decode step and in a verify step.
+template <int NV>  // 8-float vectors of the output held in registers at a time (hd % (8 NV) == 0)
+void attend(const float* q, const float* k, const float* v, const int64_t* slots, int64_t L, int64_t hd,
+            float scale, float* p, float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= L; j += 4) {  // four independent chains hide the FMA latency
+    const float* k0 = k + slots[j] * hd;
+    const float* k1 = k + slots[j + 1] * hd;
+    const float* k2 = k + slots[j + 2] * hd;
+    const float* k3 = k + slots[j + 3] * hd;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < hd; d += 8) {
+      const __m256 qd = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
+      a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d), a1);
+      a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d), a2);
+      a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d), a3);
+    }
+    p[j] = hsum(a0) * scale, p[j + 1] = hsum(a1) * scale, p[j + 2] = hsum(a2) * scale, p[j + 3] = hsum(a3) * scale;
+  }
+  for (; j < L; ++j) {
+    const float* kj = k + slots[j] * hd;
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
+    p[j] = hsum(a) * scale;
+  }
+  float mx = -std::numeric_limits<float>::infinity();
+  for (j = 0; j < L; ++j) mx = std::max(mx, p[j]);
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (j = 0; j < L; j += 8) {  // p has room for a whole last vector; lanes past L become 0
+    const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(L)), lane));
+    const __m256 e = _mm256_and_ps(live, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmx)));
+    _mm256_storeu_ps(p + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / hsum(vsum));
+  for (int64_t d0 = 0; d0 < hd; d0 += 8 * NV) {
+    __m256 acc[NV];
+    for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
+    for (j = 0; j < L; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* vj = v + slots[j] * hd + d0;
+      for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], inv));
+  }
+}
+
+// The same for any hd, in plain loops.
+void attend_scalar(const float* q, const float* k, const float* v, const int64_t* slots, int64_t L, int64_t hd,
+                   float scale, float* p, float* out) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < L; ++j) {
+    const float* kj = k + slots[j] * hd;
+    float s = 0.f;
+    for (int64_t d = 0; d < hd; ++d) s += q[d] * kj[d];
+    p[j] = s * scale;
+    mx = std::max(mx, p[j]);
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - mx));
+  for (int64_t d = 0; d < hd; ++d) out[d] = 0.f;
+  for (int64_t j = 0; j < L; ++j) {
+    const float* vj = v + slots[j] * hd;
+    for (int64_t d = 0; d < hd; ++d) out[d] += p[j] * vj[d];
+  }
+  for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
+}
+
 // Queries q (T, H, hd) of the new tokens against the cache k, v (K, S, hd) -> out (T, H, hd). Token t sees the
 // cache slots [first_t, slot0), which hold positions 0..slot0-1 in order, and the new tokens j (in slots slot0 + j)
 // that the tree mask allows (mask (T, T), row t: its ancestors and itself; null means a causal chain) and that lie
-// inside the sliding window. (token, head) pairs run in parallel.
+// inside the sliding window: one list of slots in position order, the same list a decode step at that position
+// would see, so that verify steps reproduce decode steps bit for bit (see tests/speculative). (token, head) pairs
+// run in parallel.
 void attention(const float* q, const float* k, const float* v, int64_t T, int64_t H, int64_t K, int64_t S,
                int64_t hd, int64_t slot0, const int64_t* positions, const bool* mask, int64_t window, float scale,
                float* out) {
   const int64_t group = H / K;
+  const auto kernel = hd % 64 == 0 ? attend<8> : hd % 32 == 0 ? attend<4> : hd % 16 == 0 ? attend<2>
+                      : hd % 8 == 0 ? attend<1> : attend_scalar;
   at::parallel_for(0, T * H, (slot0 + T) * hd * T * H >= 16384 ? 1 : T * H, [&](int64_t i0, int64_t i1) {
     std::vector<float> p;
-    std::vector<int64_t> fresh, slots;  // visible new tokens' slots; all visible slots
+    std::vector<int64_t> slots;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / H, h = i % H, pos = positions[t];
       const int64_t first = window ? std::min(slot0, std::max<int64_t>(0, pos - window + 1)) : 0;
-      fresh.clear();
+      slots.clear();
+      for (int64_t j = first; j < slot0; ++j) slots.push_back(j);
       for (int64_t j = 0; j < T; ++j) {
         const bool visible = mask ? mask[t * T + j] : j <= t;
-        if (visible && (!window || pos - positions[j] < window)) fresh.push_back(slot0 + j);
+        if (visible && (!window || pos - positions[j] < window)) slots.push_back(slot0 + j);
       }
-      const int64_t cached = slot0 - first, L = cached + fresh.size();
-      p.resize(L);
-      // One list of slots for both kinds: with two code paths GCC rounded a cached key differently from the same
-      // key as a new token, and a verify step must reproduce decode steps bit for bit (see tests/speculative).
-      slots.resize(L);
-      for (int64_t j = 0; j < cached; ++j) slots[j] = first + j;
-      std::copy(fresh.begin(), fresh.end(), slots.begin() + cached);
-      const float* qh = q + (t * H + h) * hd;
-      const float* kh = k + (h / group) * S * hd;
-      const float* vh = v + (h / group) * S * hd;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < L; ++j) {
-        const float* kj = kh + slots[j] * hd;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)  // a float reduction only vectorizes when told it may reorder
-        for (int64_t d = 0; d < hd; ++d) s += qh[d] * kj[d];
-        p[j] = s * scale;
-        mx = std::max(mx, p[j]);
-      }
-      float sum = 0.f;
-      for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - mx));
-      float* oh = out + (t * H + h) * hd;
-      for (int64_t d = 0; d < hd; ++d) oh[d] = 0.f;
-      for (int64_t j = 0; j < L; ++j) {
-        const float pj = p[j] / sum;
-        const float* vj = vh + slots[j] * hd;
-        for (int64_t d = 0; d < hd; ++d) oh[d] += pj * vj[d];
-      }
+      const int64_t L = slots.size();
+      p.resize(L + 8);
+      kernel(q + (t * H + h) * hd, k + (h / group) * S * hd, v + (h / group) * S * hd, slots.data(), L, hd, scale,
+             p.data(), out + (t * H + h) * hd);
     }
   });
 }

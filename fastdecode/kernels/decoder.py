@@ -80,6 +80,26 @@ class NativeDecoder:
                                        self.windows[:n], c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                        c.rms_norm_eps, c.attention_scale, self.sandwich, self.gelu)
 
+    @torch.inference_mode()
+    def hidden_taps(self, tokens: torch.Tensor, positions: torch.Tensor, slot0: int,
+                    tree_mask: torch.Tensor | None, taps: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """hidden() that also returns the residual after each layer in `taps` (sorted), for drafters that read the
+        target's features: -> (final hidden states (T, D), [(T, D) per tap]). The layers run as consecutive ranges,
+        each range's residual handed to the next, which is the same arithmetic as one call: logits are unchanged."""
+        m, c = self.model, self.model.config
+        if m.layers[0].self_attn.kv_cache.k is not self.cache:
+            self.gather()
+        x, out, a = m.embed(tokens), [], 0
+        for b in [t + 1 for t in taps] + [c.num_hidden_layers]:
+            if b > a:
+                x = self.ops.forward_layers(x, self.weights[a * SLOTS:b * SLOTS], positions, slot0,
+                                            EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local,
+                                            self.windows[a:b], c.num_attention_heads, c.num_key_value_heads,
+                                            c.head_dim, c.rms_norm_eps, c.attention_scale, self.sandwich, self.gelu)
+            out.append(x)
+            a = b
+        return x, out[:len(taps)]
+
 
 def native_decoder(model) -> NativeDecoder | None:
     """A NativeDecoder for the model when the native kernels are built and the model fits them, else None."""

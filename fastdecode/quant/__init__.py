@@ -87,8 +87,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, backend:
     kernels where they are built and fit the shape, else PyTorch's ("aten"). lm_head gets lm_head_scheme (None: the
     same as the rest), int8 by default: on SmolLM2-135M's Q4_1 GGUF (Q4_1 blocks, a Q8_0 tied head), teacher-forced
     over 256 tokens of code, int4 everywhere keeps 87% of the float model's greedy tokens and int4 with an int8 head
-    97%, for 12 MB more per token. (The native formats reproduce those Q4_1 and Q8_0 weights exactly; the remaining
-    3% is the kernels' int8 rounding of activations.) "gguf" ignores group_size and lm_head_scheme: every matrix
+    97%, for 12 MB more per token. (The native formats reproduce those Q4_1 and Q8_0 weights exactly; the
+    rest is the int4 kernel's int8 rounding of activations.) "gguf" ignores group_size and lm_head_scheme: every matrix
     keeps the file's own type.
     """
     if scheme == "gguf":

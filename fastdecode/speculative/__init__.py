@@ -4,15 +4,17 @@ from __future__ import annotations
 from fastdecode.errors import InvalidRequestError
 
 SPECULATE_CHOICES = ("none", "ngram", "suffix", "layerskip", "auto")  # and draft:MODEL
+HEADS = ("eagle", "auto+eagle")  # a trained head (`fastdecode train-drafter`), alone or beside auto's; `:DIR` optional
 
 
-def build_speculator(spec: str, llm, log=lambda *a: None):
-    """`--speculate` value -> a Speculator bound to the LLM's model, or None for plain decode."""
+def build_speculator(spec: str, llm, log=lambda *a: None, cls=None):
+    """`--speculate` value -> a Speculator (or `cls`, a subclass) bound to the LLM's model, or None for plain
+    decode."""
     if spec in (None, "", "none"):
         return None
-    if spec not in SPECULATE_CHOICES and not spec.startswith("draft:"):
-        raise InvalidRequestError(f"--speculate must be one of {', '.join(SPECULATE_CHOICES)} or draft:MODEL, "
-                                  f"not {spec!r}")
+    if spec not in SPECULATE_CHOICES and not spec.startswith("draft:") and spec.partition(":")[0] not in HEADS:
+        raise InvalidRequestError(f"--speculate must be one of {', '.join(SPECULATE_CHOICES)}, draft:MODEL, "
+                                  f"eagle[:DIR] or auto+eagle[:DIR], not {spec!r}")
     from fastdecode.speculative.speculator import Speculator
 
-    return Speculator.build(spec, llm, log=log)
+    return (cls or Speculator).build(spec, llm, log=log)

@@ -2,10 +2,11 @@
 per second.
 
 A verify step over n draft nodes costs t(1 + n) seconds (measured at start-up: on a memory-bound machine t grows
-slowly with n, on a compute-bound one fast) and emits 1 + (expected accepted nodes) tokens. A node's chance of
-being accepted is its drafter's score, calibrated online against what was actually accepted (per drafter, in score
-bins). The step takes the n with the most tokens per second; when drafts are poor that is n = 0, plain decoding,
-so speculation never costs more than a proposal lookup.
+slowly with n, on a compute-bound one fast) and emits 1 + (expected accepted nodes) tokens. A node is accepted when
+its parent is and the target agrees with it there: that conditional chance is calibrated online per drafter against
+its conditional score (node score / parent score, in bins) from the nodes whose parent was accepted, and a node's
+chance is the product along its path. The step takes the n with the most tokens per second; when drafts are poor
+that is n = 0, plain decoding, so speculation never costs more than a proposal lookup.
 """
 from __future__ import annotations
 
@@ -62,21 +63,37 @@ class CostModel:
 
 @dataclass
 class Calibration:
-    """P(a node's path is accepted | its drafter's score), per score bin, with decay so it tracks the workload."""
+    """P(a node is accepted | its parent was; its conditional score), per score bin. Evidence decays with every
+    update and, more slowly, with every consultation, so a bin that went bad is tried again after a while (the
+    workload changes within a request: a file being copied, then new code)."""
     hits: list[float] = field(default_factory=lambda: [0.0] * BINS)
     tries: list[float] = field(default_factory=lambda: [0.0] * BINS)
     decay: float = 0.995
+    forget_rate: float = 0.99
     prior_weight: float = 2.0
 
     def estimate(self, score: float) -> float:
         b = min(int(score * BINS), BINS - 1)
-        prior = 0.5 * score  # untested drafters start pessimistic
+        prior = 0.5 * score  # untested scores start pessimistic: the floor matters more than the first draft
         return (self.hits[b] + self.prior_weight * prior) / (self.tries[b] + self.prior_weight)
 
     def update(self, score: float, accepted: bool):
         b = min(int(score * BINS), BINS - 1)
         self.hits[b] = self.hits[b] * self.decay + accepted
         self.tries[b] = self.tries[b] * self.decay + 1
+
+    def forget(self):
+        self.hits = [h * self.forget_rate for h in self.hits]
+        self.tries = [t * self.forget_rate for t in self.tries]
+
+
+def conditional_scores(draft: Draft) -> list[float]:
+    """Each node's score given that its parent is accepted (scores are path estimates)."""
+    out = []
+    for score, parent in zip(draft.scores, draft.parents):
+        base = draft.scores[parent] if parent >= 0 else 1.0
+        out.append(min(1.0, score / base) if base > 0 else 0.0)
+    return out
 
 
 class Policy:
@@ -85,11 +102,11 @@ class Policy:
         self.calibration: dict[str, Calibration] = {}
 
     def estimates(self, draft: Draft) -> list[float]:
+        """Each node's chance that its whole path is accepted."""
         cal = self.calibration.setdefault(draft.drafter, Calibration())
-        est = []
-        for score, parent in zip(draft.scores, draft.parents):
-            e = cal.estimate(score)
-            est.append(min(e, est[parent]) if parent >= 0 else e)  # a path is never likelier than its prefix
+        est: list[float] = []
+        for cond, parent in zip(conditional_scores(draft), draft.parents):
+            est.append(cal.estimate(cond) * (est[parent] if parent >= 0 else 1.0))
         return est
 
     def choose(self, draft: Draft | None, draft_seconds: float = 0.0) -> tuple[Draft | None, float]:
@@ -99,6 +116,7 @@ class Policy:
             return None, plain
         if not self.adaptive:
             return draft.subset(list(range(min(len(draft), self.max_nodes)))), float("inf")
+        self.calibration.setdefault(draft.drafter, Calibration()).forget()
         est = self.estimates(draft)
         order = sorted(range(len(draft)), key=lambda i: (-est[i], i))[:self.max_nodes]
         best_n, best_rate, expected = 0, plain, 1.0
@@ -110,8 +128,10 @@ class Policy:
         return (draft.subset(order[:best_n]) if best_n else None), best_rate
 
     def learn(self, draft: Draft, path: list[int]):
-        """Every verified node was a try; the nodes on the accepted path were hits."""
+        """A node whose parent was accepted (or that hangs under the root) was a try; the accepted ones were hits.
+        Nodes under a rejected parent say nothing about their own chance."""
         cal = self.calibration.setdefault(draft.drafter, Calibration())
         accepted = set(path)
-        for i, score in enumerate(draft.scores):
-            cal.update(score, i in accepted)
+        for i, (cond, parent) in enumerate(zip(conditional_scores(draft), draft.parents)):
+            if parent < 0 or parent in accepted:
+                cal.update(cond, i in accepted)

@@ -12,6 +12,7 @@ from fastdecode.engine.generate import Timings, prefill
 from fastdecode.engine.sampling import Sampler
 from fastdecode.speculative.draft import Draft
 from fastdecode.speculative.drafter import Drafter
+from fastdecode.speculative.eagle.features import forward_taps, prefill_taps
 from fastdecode.speculative.model_drafters import DraftModelDrafter, LayerSkipDrafter, forward_logits
 from fastdecode.speculative.ngram import NgramDrafter
 from fastdecode.speculative.policy import CostModel, Policy
@@ -55,6 +56,10 @@ class ModelGate:
             return True
         return False
 
+    def rate(self) -> float:
+        """Tokens per second of the steps that used the drafter (0 before any)."""
+        return self.tokens / self.seconds if self.seconds else 0.0
+
     def record(self, tokens: int, seconds: float, decay: float = 0.9):
         self.tokens = self.tokens * decay + tokens
         self.seconds = self.seconds * decay + seconds
@@ -69,6 +74,9 @@ class Speculator:
         """adaptive=False verifies every draft in full (tests, fixed-k comparisons); `cost` skips measuring."""
         self.name, self.model, self.decoder, self.drafters = name, model, decoder, drafters
         self.max_seq_len = max_seq_len
+        # Drafters that read the target's hidden states (eagle/) name the layers to capture in every forward.
+        self.taps = next((d.feature_layers for d in drafters if getattr(d, "feature_layers", None)), None)
+        self.features = None  # the last forward's taps (T, n_taps * D)
         self.policy = Policy(cost or self.measure_cost(), max_nodes, adaptive)
         self.gates = {d.name: ModelGate() for d in drafters if not d.model_free}
         self.model_draft_s = 0.0  # what the model drafter spent on this step's draft
@@ -78,6 +86,11 @@ class Speculator:
         model, decoder = llm.model, llm.decoder
         if spec.startswith("draft:"):
             drafters = [cls.draft_model(spec.removeprefix("draft:"), llm, log)]
+        elif spec.partition(":")[0] in ("eagle", "auto+eagle"):
+            from fastdecode.speculative.eagle import build_drafter
+            kind, _, path = spec.partition(":")
+            head = build_drafter(path or None, llm)
+            drafters = [head] if kind == "eagle" else [SuffixDrafter(), NgramDrafter(), head]
         else:
             layerskip = lambda: LayerSkipDrafter(model, decoder)  # noqa: E731
             drafters = {"ngram": lambda: [NgramDrafter()], "suffix": lambda: [SuffixDrafter()],
@@ -100,7 +113,18 @@ class Speculator:
         return DraftModelDrafter(name, model, native_decoder(model) if llm.decoder else None, llm.config)
 
     def forward(self, tokens: list[int], positions: torch.Tensor, slot0: int, tree_mask=None) -> torch.Tensor:
+        if self.taps:
+            logits, self.features = forward_taps(self.model, self.decoder, tokens, positions, slot0, tree_mask,
+                                                 self.taps)
+            return logits
         return forward_logits(self.model, self.decoder, tokens, positions, slot0, tree_mask)
+
+    def feed(self, pos: int, rows):
+        """Hands the last forward's taps of the kept tokens (rows) to the drafters that read them."""
+        if self.taps:
+            for d in self.drafters:
+                if getattr(d, "feature_layers", None):
+                    d.observe_features(pos, self.features[rows])
 
     def measure_cost(self) -> CostModel:
         """Forward time over n new tokens, at scratch slots behind 64 tokens of context (before any request, so
@@ -117,7 +141,10 @@ class Speculator:
 
     def _run(self, prompt_ids, sampler, max_tokens, stop_ids, timings, stats) -> Iterator[int]:
         t0 = time.perf_counter()
-        logits = prefill(self.model, prompt_ids)
+        if self.taps:
+            logits, self.features = prefill_taps(self.model, prompt_ids, self.taps)
+        else:
+            logits = prefill(self.model, prompt_ids)
         timings.prompt_tokens = len(prompt_ids)
         timings.prefill_s = time.perf_counter() - t0
         token = sampler.sample(logits)
@@ -126,6 +153,7 @@ class Speculator:
         timings.ttft_s = t_first - t0
         for d in self.drafters:
             d.start(prompt_ids, sampler.params)
+        self.feed(0, slice(None))
         context = list(prompt_ids) + [token]
         emitted, n = [token], 0
         try:
@@ -161,12 +189,22 @@ class Speculator:
                     best, best_rate = chosen, rate
         self.model_draft_s = 0.0
         for d in self.drafters:
-            if best is None and not d.model_free and (not self.policy.adaptive or self.gates[d.name].allow(plain_rate)):
-                t1 = time.perf_counter()
-                best, _ = self.policy.choose(d.propose(context, budget))
-                self.model_draft_s = time.perf_counter() - t1
-                if best is None:  # drafted for nothing: the gate must hear of the cost
-                    self.gates[d.name].record(0, self.model_draft_s)
+            if d.model_free:
+                continue
+            gate = self.gates[d.name]
+            # A trained head is worth asking beside a model-free draft when its steps have been faster than that
+            # draft promises; other model drafters only when nothing model-free beats plain decoding.
+            if best is not None and not (getattr(d, "feature_layers", None) and gate.rate() > best_rate):
+                continue
+            if self.policy.adaptive and not gate.allow(plain_rate):
+                continue
+            t1 = time.perf_counter()
+            chosen, rate = self.policy.choose(d.propose(context, budget))
+            self.model_draft_s = time.perf_counter() - t1
+            if chosen is not None and (best is None or rate > best_rate):
+                best, best_rate = chosen, rate
+            else:  # drafted for nothing: the gate must hear of the cost
+                gate.record(0, self.model_draft_s)
         stats.draft_s += time.perf_counter() - t0
         return best
 
@@ -178,6 +216,7 @@ class Speculator:
         stats.steps += 1
         if draft is None:
             logits = self.forward([context[-1]], torch.tensor([pos]), pos)[0]
+            self.feed(pos, [0])
             y = sampler.sample(logits)
             sampler.accept(y, logits)
             self.policy.cost.observe(1, time.perf_counter() - t0)
@@ -185,6 +224,7 @@ class Speculator:
         tokens, positions, mask = draft.tree_inputs(context[-1], pos)
         logits = self.forward(tokens, positions, pos, mask)
         verdict = verify(draft, logits, sampler, stop_ids)
+        self.feed(pos, [0] + [1 + i for i in verdict.path])
         self.keep_path(pos, verdict.path)
         seconds = time.perf_counter() - t0
         self.policy.cost.observe(len(tokens), seconds)

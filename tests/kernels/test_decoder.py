@@ -2,11 +2,15 @@
 import pytest
 import torch
 
+from fastdecode.config import ModelConfig
 from fastdecode.engine.generate import decode_one_token, prefill
 from fastdecode.kernels import native_ops
 from fastdecode.kernels.decoder import NativeDecoder, native_decoder
 from fastdecode.loading import load_model
-from tests.helpers.checkpoints import SPECS, checkpoint, prompt_tokens
+from fastdecode.models.transformer import Transformer
+from fastdecode.quant import quantize_model
+from fastdecode.speculative.draft import Draft
+from tests.helpers.checkpoints import SPECS, VOCAB_SIZE, checkpoint, prompt_tokens
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable on this machine")
 PROMPT = prompt_tokens(20)
@@ -49,3 +53,25 @@ def test_bfloat16_models_are_left_to_pytorch():
     model = load_model(checkpoint("llama").hf_dir, dtype=torch.bfloat16)
     model.setup_cache(32)
     assert not NativeDecoder.supports(model)
+
+
+# Vector attention holding 2 or 8 registers, and the plain loops (head sizes whose o_proj the int4 kernel takes).
+@pytest.mark.parametrize("heads,head_dim", [(4, 16), (4, 64), (16, 12)])
+@pytest.mark.parametrize("tree", [False, True])
+def test_verify_step_reproduces_decode_steps_bit_for_bit(heads, head_dim, tree):
+    """Speculation is only lossless if verifying tokens together gives each the logits of decoding it alone."""
+    torch.manual_seed(0)
+    config = ModelConfig(family="llama", vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim)
+    model = quantize_model(Transformer(config).eval(), "int4")
+    model.setup_cache(64)
+    decoder = native_decoder(model)
+    prompt, path = prompt_tokens(20), [5, 9, 2, 7]
+    prefill(model, prompt)
+    steps = torch.stack([decoder(torch.tensor([[t]]), len(prompt) + i) for i, t in enumerate(path)])
+    tokens, parents = (path, [-1, 0, 1, 2]) if not tree else ([5, 11, 9, 2, 3, 7], [-1, 0, 0, 2, 2, 3])
+    keep = [0, 2, 3, 5] if tree else [0, 1, 2, 3]
+    draft = Draft(tokens[1:], [p - 1 for p in parents[1:]], [1.0] * (len(tokens) - 1))
+    ids, positions, mask = draft.tree_inputs(tokens[0], len(prompt))
+    hidden = decoder.hidden(torch.tensor(ids), positions, len(prompt), mask)
+    assert torch.equal(model.head(hidden)[keep], steps)

@@ -13,6 +13,13 @@ def linear_cost() -> CostModel:
     return CostModel([1, 2, 4, 8], [1.0, 1.5, 2.5, 4.5])  # each extra token costs half a decode step
 
 
+class FixedCost(CostModel):
+    """Ignores the step timings: on a tiny model an extra verified token is free, which would hide the policy."""
+
+    def observe(self, tokens: int, seconds: float, weight: float = 0.1):
+        pass
+
+
 def test_cost_model_interpolates_and_follows_observations():
     cost = linear_cost()
     assert cost(3) == pytest.approx(2.0)
@@ -34,6 +41,36 @@ def test_confident_drafts_are_verified_and_poor_ones_are_not():
         policy.learn(chain, [])
     chosen, rate = policy.choose(chain)
     assert chosen is None and rate == pytest.approx(1.0)
+
+
+def test_only_nodes_whose_parent_was_accepted_count_as_tries():
+    policy = Policy(linear_cost())
+    chain = Draft.chain([1, 2, 3, 4], [1.0, 1.0, 1.0, 1.0], drafter="d")
+    policy.learn(chain, [0])  # node 1 was rejected; nodes 2 and 3 were never put to the test
+    cal = policy.calibration["d"]
+    assert sum(cal.tries) == pytest.approx(2, abs=0.01) and sum(cal.hits) == pytest.approx(1, abs=0.01)
+
+
+def test_a_path_is_as_likely_as_the_product_of_its_steps():
+    policy = Policy(linear_cost())
+    chain = Draft.chain([1, 2, 3], [0.95, 0.95 * 0.5, 0.95 * 0.25], drafter="d")  # steps of 0.95, 0.5, 0.5
+    for _ in range(300):
+        policy.learn(chain, [0])  # steps scored 0.95 always accepted, steps scored 0.5 never
+    est = policy.estimates(chain)
+    assert est[0] > 0.9 and est[1] < 0.1 and est[2] <= est[1]
+
+
+def test_a_drafter_that_went_bad_is_tried_again_after_a_while():
+    policy = Policy(CostModel([1, 2, 4, 8], [1.0, 1.25, 1.75, 2.75]))  # each extra token a quarter of a step
+    chain = Draft.chain([1, 2, 3, 4], [0.99] * 4, drafter="d")
+    for _ in range(20):
+        policy.learn(chain, [])
+    assert policy.choose(chain)[0] is None
+    consultations = 1
+    while policy.choose(chain)[0] is None:  # every consultation forgets a little of the bad evidence
+        consultations += 1
+        assert consultations < 1000
+    assert consultations > 20  # but not at once
 
 
 def test_tree_nodes_are_chosen_parents_first():
@@ -61,6 +98,6 @@ def test_adaptive_policy_stops_verifying_a_drafter_that_is_always_wrong():
     params = SamplingParams(max_tokens=120, ignore_eos=True)
     prompt = [1, 2, 3, 4]
     got, stats = speculative_tokens(model, decoder, [WrongDrafter()], prompt, params, adaptive=True,
-                                    cost=linear_cost())
+                                    cost=FixedCost(*vars(linear_cost()).values()))
     assert got == plain_tokens(model, decoder, prompt, params)
     assert stats.verify_steps < 0.2 * stats.steps  # a few tries, then plain decode steps

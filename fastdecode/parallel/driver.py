@@ -1,0 +1,183 @@
+"""Rank 0 drives, the other ranks follow: every forward pass the engine asks of rank 0's model is first broadcast
+as a command, so all ranks run the same pass together (its all-reduces pair up) and only rank 0 samples.
+
+A command is a fixed int64 header, then its payload: the tokens (the sampled token of the step before, or a prompt
+chunk, or a verified draft), their positions and tree mask for a token tree, hidden states for a head-only pass,
+cache slots to move after a tree verify. Engine, speculator and server code above stays single-process: they call
+`Leader` as they would call the model.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+import time
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from fastdecode.errors import FastdecodeError
+from fastdecode.parallel.group import Group
+
+
+class RankFailure(FastdecodeError):
+    """Another rank died or fell silent (gloo and NCCL raise RuntimeError): the group cannot go on."""
+
+
+class Op(IntEnum):
+    FORWARD = 1  # model(tokens, start, all_logits, **tree)
+    HIDDEN = 2  # model.hidden(tokens, start, **tree)
+    HEAD = 3  # model.head(x), x sent along
+    MOVE_KV = 4  # cache slots src -> dst (the speculator keeps an accepted tree path)
+    PING = 5  # nothing: rank 0 is idle but alive
+    STOP = 6
+
+
+# op, start, batch, tokens, all_logits, layers (-1: all), has positions, has tree mask, payload length
+HEADER = 9
+
+
+def move_kv(model, src: torch.Tensor, dst: torch.Tensor):
+    for block in model.layers:
+        cache = block.self_attn.kv_cache
+        cache.k[:, :, dst] = cache.k[:, :, src]
+        cache.v[:, :, dst] = cache.v[:, :, src]
+
+
+class Leader:
+    """Rank 0's handle on its shard of the model: broadcasts each call, then runs it here. Anything else (layers,
+    config, modules()) is the model's own. A lock keeps a command and its collectives whole against the keep-alive
+    thread. A failed collective calls `on_failure(error)` (the command line exits there), then raises RankFailure."""
+
+    def __init__(self, model, group: Group, on_failure=None):
+        self.model, self.group, self.on_failure = model, group, on_failure
+        self.lock = threading.RLock()
+        self.last_sent = time.monotonic()
+        self.stopped = threading.Event()
+        self.keepalive: threading.Thread | None = None
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    # ---- the model's interface ---------------------------------------------------------------------------------
+    def __call__(self, tokens, start, all_logits=False, positions=None, tree_mask=None, layers=None):
+        with self.lock, self.failures():
+            self._send(Op.FORWARD, tokens, start, positions, tree_mask, layers, all_logits)
+            return self.model(tokens, start, all_logits, positions=positions, tree_mask=tree_mask, layers=layers)
+
+    forward = __call__
+
+    def hidden(self, tokens, start, positions=None, tree_mask=None, layers=None):
+        with self.lock, self.failures():
+            self._send(Op.HIDDEN, tokens, start, positions, tree_mask, layers)
+            return self.model.hidden(tokens, start, positions=positions, tree_mask=tree_mask, layers=layers)
+
+    def head(self, x: torch.Tensor):
+        with self.lock, self.failures():
+            # (B, T, D) or (T, D): the follower rebuilds the same leading shape
+            self._header(Op.HEAD, payload=x.numel(), batch=x.shape[0] if x.dim() == 3 else 0,
+                         tokens=x.shape[-2] if x.dim() >= 2 else 1)
+            dist.broadcast(x.contiguous(), 0, group=self.group.pg)
+            return self.model.head(x)
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor):
+        with self.lock, self.failures():
+            self._header(Op.MOVE_KV, payload=2 * len(src))
+            dist.broadcast(torch.cat([src, dst]).long(), 0, group=self.group.pg)
+            move_kv(self.model, src, dst)
+
+    # ---- lifetime ----------------------------------------------------------------------------------------------
+    def keep_alive(self, interval_s: float):
+        """Pings the followers whenever rank 0 has sent nothing for interval_s (a server between requests, a chat
+        waiting for its user), so that they can tell an idle rank 0 from a dead one by the group's timeout."""
+        def run():
+            while not self.stopped.wait(interval_s / 4):
+                if time.monotonic() - self.last_sent >= interval_s and self.lock.acquire(blocking=False):
+                    try:
+                        with self.failures():
+                            if not self.stopped.is_set():
+                                self._header(Op.PING)
+                    except RankFailure:  # the main thread hears of it on its next call
+                        return
+                    finally:
+                        self.lock.release()
+        self.keepalive = threading.Thread(target=run, name="tp-keepalive", daemon=True)
+        self.keepalive.start()
+
+    def stop(self):
+        """Tells the followers to return; idempotent, and quiet if the group is already broken."""
+        with self.lock:
+            if self.stopped.is_set():
+                return
+            self.stopped.set()
+            try:
+                self._header(Op.STOP)
+            except Exception:  # noqa: BLE001 - a dead follower: nothing left to stop
+                pass
+
+    @contextmanager
+    def failures(self):
+        """gloo and NCCL report a dead peer or a timeout as RuntimeError; so does a bug in a forward pass, which
+        leaves the followers waiting just the same, so both end the group."""
+        try:
+            yield
+        except RuntimeError as e:
+            self.stopped.set()
+            if self.on_failure is not None:
+                self.on_failure(e)
+            raise RankFailure(f"tensor-parallel group failed: {str(e).splitlines()[0] if str(e) else e!r}") from e
+
+    # ---- wire --------------------------------------------------------------------------------------------------
+    def _header(self, op: Op, start=0, batch=0, tokens=0, all_logits=False, layers=None, positions=False,
+                mask=False, payload=0):
+        header = torch.tensor([op, start, batch, tokens, int(all_logits), -1 if layers is None else layers,
+                               int(positions), int(mask), payload], dtype=torch.long)
+        dist.broadcast(header, 0, group=self.group.pg)
+        self.last_sent = time.monotonic()
+
+    def _send(self, op, tokens, start, positions, tree_mask, layers, all_logits=False):
+        parts = [tokens.reshape(-1).long()]
+        if positions is not None:
+            parts.append(positions.reshape(-1).long())
+        if tree_mask is not None:
+            parts.append(tree_mask.reshape(-1).long())
+        payload = torch.cat(parts)
+        B, T = tokens.shape
+        self._header(op, start, B, T, all_logits, layers, positions is not None, tree_mask is not None,
+                     payload.numel())
+        dist.broadcast(payload, 0, group=self.group.pg)
+
+
+@torch.inference_mode()
+def follow(model, group: Group, dtype: torch.dtype):
+    """A follower's whole life: run each command rank 0 broadcasts, until STOP. A collective that fails (a rank
+    died) or times out raises, which ends this process."""
+    header = torch.empty(HEADER, dtype=torch.long)
+    while True:
+        dist.broadcast(header, 0, group=group.pg)
+        op, start, B, T, all_logits, layers, has_pos, has_mask, n = header.tolist()
+        if op == Op.STOP:
+            return
+        if op == Op.PING:
+            continue
+        if op == Op.HEAD:
+            x = torch.empty(n, dtype=dtype)
+            dist.broadcast(x, 0, group=group.pg)
+            model.head(x.view(B, T, -1) if B else x.view(T, -1))
+            continue
+        payload = torch.empty(n, dtype=torch.long)
+        dist.broadcast(payload, 0, group=group.pg)
+        if op == Op.MOVE_KV:
+            src, dst = payload.chunk(2)
+            move_kv(model, src, dst)
+            continue
+        tokens, rest = payload[:B * T].view(B, T), payload[B * T:]
+        tree = {"positions": rest[:T] if has_pos else None, "layers": None if layers < 0 else layers}
+        if has_mask:
+            tree["tree_mask"] = rest[T if has_pos else 0:].view(T, T).bool()
+        if op == Op.FORWARD:
+            model(tokens, start, bool(all_logits), **tree)
+        elif op == Op.HIDDEN:
+            model.hidden(tokens, start, **tree)
+        else:
+            raise RuntimeError(f"unknown tensor-parallel command {op}")

@@ -1,0 +1,43 @@
+"""The process group, from the environment torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fastdecode.errors import InvalidRequestError
+
+# Every collective, a follower's wait for rank 0's next command included, fails after this long: a rank that hangs
+# cannot hang the others. Rank 0 pings its followers when idle, so only silence this long means trouble.
+DEFAULT_TIMEOUT_S = float(os.environ.get("FASTDECODE_TP_TIMEOUT", 120))
+
+
+@dataclass
+class Group:
+    rank: int
+    world: int
+    timeout_s: float
+    pg: dist.ProcessGroup | None = None  # None: the default group
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+
+def init_group(tp: int, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> Group:
+    """Joins (or reuses) the default process group: gloo for CPU tensors, NCCL for CUDA ones."""
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if world != tp or "MASTER_ADDR" not in os.environ:
+            raise InvalidRequestError(f"--tp {tp} runs one process per rank: launch it as `torchrun --nproc-per-node "
+                                      f"{tp} -m fastdecode ...` (this process sees WORLD_SIZE={world})")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if dist.get_world_size() != tp:
+        raise InvalidRequestError(f"--tp {tp} does not match the process group of {dist.get_world_size()} ranks")
+    return Group(dist.get_rank(), dist.get_world_size(), timeout_s)

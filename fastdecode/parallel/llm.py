@@ -1,0 +1,66 @@
+"""`ParallelLLM`: the LLM API over a model sharded across the ranks of a process group.
+
+Every rank builds one (each loads only its shard); rank 0's is then used like any LLM (generate, stream, chat, a
+server), while every other rank calls `follow()`, which returns when rank 0 calls `close()`.
+"""
+from __future__ import annotations
+
+import torch
+
+from fastdecode.engine.llm import DTYPES, LLM
+from fastdecode.errors import InvalidRequestError
+from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
+from fastdecode.parallel.driver import Leader, follow
+from fastdecode.parallel.group import DEFAULT_TIMEOUT_S, init_group
+from fastdecode.parallel.load import checkpoint_config, load_shard
+from fastdecode.parallel.plan import ShardPlan
+from fastdecode.parallel.shard import install_collectives
+from fastdecode.speculative import build_speculator
+from fastdecode.speculative.speculator import Speculator
+
+
+class ParallelSpeculator(Speculator):
+    """The speculator with the drafter on rank 0 only: drafts reach the followers as the tokens of the verify
+    forward, and the cache moves that keep an accepted tree path are broadcast too."""
+
+    def keep_path(self, pos: int, path: list[int]):
+        if path == list(range(len(path))):
+            return
+        src = torch.tensor([pos + 1 + i for i in path])
+        self.model.move_kv(src, torch.arange(pos + 1, pos + 1 + len(path)))
+
+
+class ParallelLLM(LLM):
+    def __init__(self, model: str = DEFAULT_MODEL, tp: int = 2, quant: str | None = None, speculate: str = "none",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, on_failure=None, progress=None, log=lambda *a: None, **kw):
+        """kw: LLM's dtype, group_size, threads, max_seq_len. The native C++ decode step runs whole models only,
+        so every rank decodes with PyTorch's forward. `on_failure(error)`: see Leader."""
+        if quant == "gguf":
+            raise InvalidRequestError("--quant gguf keeps a GGUF file's whole tensors, which --tp cannot shard: use "
+                                      "--quant int8 or int4")
+        # A model that cannot be split fails here, before the ranks meet (and without torchrun too).
+        ShardPlan.build(checkpoint_config(resolve(model))[0], 0, tp)
+        self.group = group = init_group(tp, timeout_s)
+        lead = group.leads
+        load = lambda path, dtype, progress: load_shard(path, group.rank, group.world, dtype, progress)  # noqa: E731
+        super().__init__(model, quant=quant, native=False, speculate="none", progress=progress if lead else None,
+                         log=log if lead else (lambda *a: None), load=load, **kw)
+        install_collectives(self.model, group.pg)
+        if lead:
+            self.model = Leader(self.model, group, on_failure)
+            self.speculate = speculate
+            self.speculator = build_speculator(speculate, self, log, cls=ParallelSpeculator)
+            self.model.keep_alive(group.timeout_s / 2)
+
+    @property
+    def leads(self) -> bool:
+        return self.group.leads
+
+    def follow(self):
+        """Ranks > 0: run rank 0's forward passes until it closes."""
+        follow(self.model, self.group, DTYPES[self.dtype])
+
+    def close(self):
+        """Rank 0: release the followers (their follow() returns)."""
+        if self.leads:
+            self.model.stop()

@@ -1,0 +1,32 @@
+"""Trained drafter heads (EAGLE-3 style and multi-token prediction) that read the target's hidden states; trained by
+`fastdecode train-drafter` (fastdecode/train/), used with `--speculate eagle[:DIR]` or `auto+eagle[:DIR]`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastdecode.speculative.eagle.head import HeadConfig, load_head
+
+
+def default_head_dir(model: str) -> Path:
+    """Where `make drafter` puts the head for a registered model: $FASTDECODE_HOME/drafters/<model>."""
+    from fastdecode.loading.catalog import fastdecode_home
+
+    return fastdecode_home() / "drafters" / Path(model).name
+
+
+def build_drafter(path: str | Path | None, llm, tree: bool = True):
+    """The drafter for a head directory (None: the default one for llm's model), bound to llm's model; the head's
+    linears get int8 weights when the target is quantized (a draft step then reads a quarter of the bytes)."""
+    from fastdecode.speculative.eagle.drafter import EagleDrafter, MTPDrafter
+
+    head, cfg = load_head(path or default_head_dir(llm.name), llm.model)
+    if llm.quant:
+        from fastdecode.quant import quantize_model
+        quantize_model(head, "int8", lm_head_scheme="int8")
+    if cfg.kind == "mtp":
+        return MTPDrafter(head, cfg, llm.model, top_k=4 if tree else 1)
+    # Small trees: on a CPU verifying a node costs a good share of a decode step (docs/speculative.md).
+    return EagleDrafter(head, cfg, llm.model, llm.max_seq_len, top_k=4 if tree else 1, depth=4, min_score=0.05)
+
+
+__all__ = ["HeadConfig", "build_drafter", "default_head_dir", "load_head"]

@@ -1,0 +1,1 @@
+"""Training inside fastdecode: drafter heads distilled from the target itself (`fastdecode train-drafter`)."""

@@ -1,0 +1,32 @@
+"""The tiny models whose heads split evenly and unevenly across two ranks."""
+from __future__ import annotations
+
+from tests.helpers.checkpoints import SPECS, Spec, prompt_tokens
+
+# Added beside the shared specs (4 heads, 2 KV heads: an even split), each with a different uneven split.
+UNEVEN = {
+    # 3 heads and 3 KV heads: rank 0 holds 1, rank 1 holds 2; an MLP of 3 x 32 columns and an odd vocabulary too.
+    "llama_uneven": Spec("LlamaForCausalLM", "LlamaConfig",
+                         dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3,
+                              num_key_value_heads=3, vocab_size=161), "llama"),
+    # 6 heads in 3 KV groups: rank 0 holds one group (2 heads), rank 1 two groups (4 heads).
+    "qwen3_uneven": Spec("Qwen3ForCausalLM", "Qwen3Config",
+                         dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+                              num_key_value_heads=3), "qwen3"),
+    # 3 heads on 1 KV head: both ranks hold the KV head (replicated), rank 0 one query head, rank 1 two.
+    "gemma3_uneven": Spec("Gemma3ForCausalLM", "Gemma3TextConfig",
+                          dict(hidden_size=48, intermediate_size=64, num_hidden_layers=6, sliding_window=4,
+                               num_attention_heads=3, num_key_value_heads=1, query_pre_attn_scalar=16,
+                               rope_theta=1e6, rope_local_base_freq=10000.0), "gemma3", seed=1),
+}
+SPECS.update(UNEVEN)
+# Even: llama (4/2), qwen2 (tied embeddings, q/k/v biases), gemma3 (4/2, sliding layers), mistral (1 KV head:
+# replicated, 2 query heads each).
+MODELS = ["llama", "qwen2", "gemma3", "mistral", *UNEVEN]
+
+PROMPT = prompt_tokens(24)  # longer than every sliding window
+STEPS = 20
+# auto: suffix trees, n-gram chains and layerskip (hidden + head passes), after a cost measurement at start (so
+# only on some models); oracle: tree drafts whose accepted paths move cache entries (see workers.oracle_speculator).
+SPECULATIONS = {name: ["none"] for name in MODELS} | {"qwen2": ["none", "auto"], "llama_uneven": ["none", "oracle"],
+                                                     "gemma3_uneven": ["none", "auto", "oracle"]}

@@ -1,0 +1,18 @@
+"""ParallelLLM on two gloo ranks, rank 0 driving: greedy output token for token the TP=1 output, with speculation
+off and on (the drafters run on rank 0; drafts reach rank 1 as the verify pass's tokens)."""
+import pytest
+
+from tests.parallel.helpers import MODELS, SPECULATIONS
+
+
+@pytest.mark.parametrize("name,spec", [(name, spec) for name in MODELS for spec in SPECULATIONS[name]])
+def test_tp2_greedy_tokens_equal_tp1(tiny, name, spec):
+    tokens, _ = tiny[name]["tp2"][spec]
+    assert tokens == tiny[name]["tp1"]["tokens"]
+
+
+
+@pytest.mark.parametrize("spec", ["auto", "oracle"])
+def test_speculation_under_tp_verifies_and_accepts_drafts(tiny, spec):
+    stats = [tiny[name]["tp2"][spec][1] for name in MODELS if spec in SPECULATIONS[name]]
+    assert all(s["verify_steps"] > 0 and s["accepted"] > 0 for s in stats)

@@ -1,0 +1,77 @@
+"""What each rank runs in the spawned tests (module-level, so that spawned processes can import it)."""
+from __future__ import annotations
+
+import torch
+
+from fastdecode.engine.sampling import SamplingParams
+from fastdecode.parallel.load import load_shard
+from fastdecode.parallel.shard import install_collectives
+
+
+@torch.no_grad()
+def greedy_run(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """tests.helpers.checkpoints.our_run without importing transformers (seconds per spawned process):
+    -> (prefill logits (P, vocab), greedy tokens, decode-step logits (steps, vocab))."""
+    model.setup_cache(len(prompt) + steps + 1)
+    prefill = model(torch.tensor([prompt]), start=0, all_logits=True)[0].float()
+    tokens, step_logits = [int(prefill[-1].argmax())], []
+    for i in range(steps):
+        logits = model(torch.tensor([[tokens[-1]]]), start=len(prompt) + i)[0, -1].float()
+        step_logits.append(logits)
+        tokens.append(int(logits.argmax()))
+    return prefill, tokens, torch.stack(step_logits)
+
+
+def oracle_speculator(llm, truth: list[int]):
+    """A tree drafter that knows the answer but puts a wrong sibling before each right token, verified in full:
+    accepted paths leave the first branch, so the cache moves of keep_path run on every rank."""
+    from fastdecode.parallel.llm import ParallelSpeculator
+    from tests.speculative.helpers import OracleDrafter, flat_cost
+
+    drafter = OracleDrafter(truth, llm.config.vocab_size, tree=True)
+    return ParallelSpeculator("oracle", llm.model, None, [drafter], llm.max_seq_len, adaptive=False, cost=flat_cost())
+
+
+def tiny_models(rank: int, world: int, cases: list[tuple], prompt: list[int], steps: int) -> dict:
+    """Each case (name, safetensors dir, GGUF file, speculation settings, TP=1 tokens): the sharded model's prefill
+    and cached greedy decode from safetensors (every rank runs it; their collectives pair up), then ParallelLLM from
+    GGUF, rank 0 driving, once per speculation setting. -> {name: {"run": greedy_run(), spec: (tokens, speculation
+    stats)}} on rank 0."""
+    from fastdecode.parallel.llm import ParallelLLM
+
+    out = {}
+    for name, hf_dir, gguf_path, speculations, truth in cases:
+        model = install_collectives(load_shard(hf_dir, rank, world), None)
+        out[name] = {"run": greedy_run(model, prompt, steps)}
+        for spec in speculations:
+            llm = ParallelLLM(gguf_path, tp=world, max_seq_len=96, speculate="none" if spec == "oracle" else spec,
+                              timeout_s=60)
+            if llm.leads:
+                if spec == "oracle":
+                    llm.speculator = oracle_speculator(llm, prompt + truth)
+                c = llm.generate(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+                llm.close()
+                out[name][spec] = (c.token_ids, c.speculation)
+            else:
+                llm.follow()
+    return out
+
+
+def real_model(rank: int, world: int, path: str, plain: str, speculative: str, max_tokens: int) -> dict:
+    """ParallelLLM on a real model, rank 0 answering one prompt with plain decoding and another with n-gram
+    speculation (the drafter on rank 0; a flat verify cost instead of the start-up measurement, to save time)."""
+    from fastdecode.parallel.llm import ParallelLLM, ParallelSpeculator
+    from fastdecode.speculative.ngram import NgramDrafter
+    from fastdecode.speculative.policy import CostModel
+
+    llm = ParallelLLM(path, tp=world, max_seq_len=256, timeout_s=60)
+    if not llm.leads:
+        llm.follow()
+        return {}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    out = {"none": llm.generate(plain, params).token_ids}
+    llm.speculator = ParallelSpeculator("ngram", llm.model, None, [NgramDrafter()], llm.max_seq_len,
+                                        cost=CostModel([1, 64], [1.0, 1.0]))
+    completion = llm.generate(speculative, params)
+    llm.close()
+    return {**out, "ngram": completion.token_ids, "accepted": completion.speculation["accepted"]}

@@ -1,0 +1,152 @@
+"""Trained drafter heads (EAGLE-3 style, multi-token prediction): lossless with chains and dynamic trees, refused
+for another target, and trainable (loss falls, training resumes from its checkpoint)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdecode.engine.sampling import SamplingParams
+from fastdecode.errors import InvalidRequestError
+from fastdecode.kernels import native_ops
+from fastdecode.speculative.eagle.drafter import EagleDrafter, MTPDrafter
+from fastdecode.speculative.eagle.features import forward_taps, sequence_taps
+from fastdecode.speculative.eagle.head import build_head, head_config_for, init_from_target, load_head, save_head
+from fastdecode.speculative.model_drafters import forward_logits
+from fastdecode.train.trainer import Target, TrainOptions, fit
+from tests.speculative.helpers import plain_tokens, speculative_tokens, tiny_target
+
+native = pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable")
+PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 3], list(range(10, 40))]
+GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+
+
+def random_head(model, kind="eagle", seed=0):
+    """An untrained head whose draft vocabulary is the whole tiny vocabulary (its drafts are often wrong)."""
+    torch.manual_seed(seed)
+    cfg = head_config_for(model, kind, "tiny", draft_vocab_size=model.config.vocab_size)
+    head = build_head(cfg)
+    init_from_target(head, model.norm.weight, model.embed_tokens.weight, torch.arange(cfg.draft_vocab_size))
+    return head.eval().requires_grad_(False), cfg
+
+
+def drafter(model, kind, tree, seed=0):
+    head, cfg = random_head(model, kind, seed)
+    if kind == "mtp":
+        return MTPDrafter(head, cfg, model, top_k=3 if tree else 1)
+    return EagleDrafter(head, cfg, model, model.max_seq_len, top_k=4 if tree else 1, depth=4, min_score=0.0)
+
+
+@native
+def test_taps_leave_the_verify_logits_bit_identical():
+    model, decoder = tiny_target()
+    tokens, positions = [3, 7, 1, 9], torch.arange(10, 14)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    plain = forward_logits(model, decoder, tokens, positions, 10, mask)
+    tapped, taps = forward_taps(model, decoder, tokens, positions, 10, mask, [0, 1])
+    assert torch.equal(plain, tapped)
+    assert taps.shape == (4, 2 * model.config.hidden_size)
+
+
+@native
+@pytest.mark.parametrize("kind, tree, adaptive", [("eagle", False, False), ("eagle", True, False),
+                                                  ("eagle", True, True), ("mtp", False, False), ("mtp", True, True)])
+def test_greedy_output_with_a_head_equals_plain_decoding(kind, tree, adaptive):
+    model, decoder = tiny_target()
+    for prompt in PROMPTS:
+        expected = plain_tokens(model, decoder, prompt, GREEDY)
+        got, stats = speculative_tokens(model, decoder, [drafter(model, kind, tree)], prompt, GREEDY, adaptive)
+        assert got == expected
+    if not adaptive:
+        assert stats.verify_steps > 0
+
+
+def test_pytorch_forward_path_with_a_head_is_lossless():
+    model, _ = tiny_target(quant=None, native=False)
+    for prompt in PROMPTS[:1]:
+        expected = plain_tokens(model, None, prompt, GREEDY)
+        got, stats = speculative_tokens(model, None, [drafter(model, "eagle", tree=True)], prompt, GREEDY)
+        assert got == expected and stats.drafted > 0
+
+
+@native
+def test_sampling_with_a_head_reproduces_plain_sampling_for_a_seed():
+    """The head drafts deterministically (one-hot q), so verification draws from the same distributions in the same
+    order as plain decoding (as for the oracle in test_rejection.py): the same seed gives the same tokens."""
+    model, decoder = tiny_target()
+    for seed in range(2):
+        params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)
+        expected = plain_tokens(model, decoder, PROMPTS[0], params)
+        got, _ = speculative_tokens(model, decoder, [drafter(model, "eagle", tree=True)], PROMPTS[0], params)
+        assert got == expected
+
+
+def test_a_head_for_another_target_is_refused(tmp_path):
+    model, _ = tiny_target(quant=None, native=False)
+    other, _ = tiny_target(quant=None, native=False, seed=5)
+    head, cfg = random_head(model)
+    save_head(head, cfg, tmp_path)
+    load_head(tmp_path, model)  # its own target loads
+    with pytest.raises(InvalidRequestError, match="trained for tiny"):
+        load_head(tmp_path, other)
+    with pytest.raises(InvalidRequestError, match="no drafter head"):
+        load_head(tmp_path / "missing", model)
+
+
+def tiny_data(model, n=8, T=48):
+    """The target's own greedy continuations of random prompts, teacher-forced: (ids, taps, preds) windows."""
+    g = torch.Generator().manual_seed(0)
+    ids, taps, preds = [], [], []
+    for _ in range(n):
+        prompt = torch.randint(0, model.config.vocab_size, (8,), generator=g).tolist()
+        seq = prompt + plain_tokens(model, None, prompt, SamplingParams(max_tokens=T - 8, ignore_eos=True))
+        t, p = sequence_taps(model, seq, [0, 1])
+        ids.append(torch.tensor(seq, dtype=torch.int32))
+        taps.append(t)
+        preds.append(p.to(torch.int32))
+    return {"ids": torch.stack(ids), "taps": torch.stack(taps), "preds": torch.stack(preds)}
+
+
+OPTS = dict(model="tiny", window=48, steps=3, batch=4, lr=3e-3, checkpoint_every=4, holdout=0.2, epochs=4)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_training_reduces_the_loss(tmp_path: Path, kind):
+    model, _ = tiny_target(quant=None, native=False)
+    cfg = head_config_for(model, kind, "tiny", draft_vocab_size=96, mtp_depth=3)
+    summary = fit(TrainOptions(out=tmp_path, kind=kind, **OPTS), cfg, Target.of(model), tiny_data(model), Quiet(),
+                  lambda *a: None)
+    assert summary["final_loss"] < 0.85 * summary["first_loss"]
+
+
+def test_interrupted_training_resumes_to_the_same_head(tmp_path: Path):
+    model, _ = tiny_target(quant=None, native=False)
+    data, target = tiny_data(model), Target.of(model)
+    cfg = lambda: head_config_for(model, "eagle", "tiny", draft_vocab_size=96)  # noqa: E731
+    fit(TrainOptions(out=tmp_path / "whole", **OPTS), cfg(), target, data, Quiet(), lambda *a: None)
+    with pytest.raises(KeyboardInterrupt):  # interrupted after 6 steps: the checkpoint holds step 4
+        fit(TrainOptions(out=tmp_path / "cut", **OPTS), cfg(), target, data, Quiet(stop_after=6), lambda *a: None)
+    lines = []
+    fit(TrainOptions(out=tmp_path / "cut", **OPTS), cfg(), target, data, Quiet(), lines.append)
+    assert any("resumed" in line and "step 4/" in line for line in lines)
+    resumed, _ = load_head(tmp_path / "cut", model)
+    uninterrupted, _ = load_head(tmp_path / "whole", model)
+    for (name, a), b in zip(resumed.state_dict().items(), uninterrupted.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+class Quiet:
+    """A stand-in for rich's Progress; stop_after interrupts training like Ctrl-C after that many steps."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.stop_after, self.updates = stop_after, 0
+
+    def add_task(self, *a, **kw):
+        return 0
+
+    def update(self, *a, **kw):
+        self.updates += 1
+        if self.updates == self.stop_after:
+            raise KeyboardInterrupt
+
+    def advance(self, *a, **kw):
+        pass
