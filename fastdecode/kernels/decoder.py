@@ -71,14 +71,8 @@ class NativeDecoder:
         """tokens (T,) at positions (T,) written to cache slots slot0.. -> final hidden states (T, D), before the
         final norm. tree_mask (T, T) bool lets each token see its ancestors (default: a causal chain); `layers`
         runs only the first that many layers (a self-speculative draft)."""
-        m, c = self.model, self.model.config
-        if m.layers[0].self_attn.kv_cache.k is not self.cache:
-            self.gather()
-        n = c.num_hidden_layers if layers is None else layers
-        return self.ops.forward_layers(m.embed(tokens), self.weights[:n * SLOTS], positions, slot0,
-                                       EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local,
-                                       self.windows[:n], c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                       c.rms_norm_eps, c.attention_scale, self.sandwich, self.gelu)
+        n = self.model.config.num_hidden_layers if layers is None else layers
+        return self.run_layers(self.model.embed(tokens), 0, n, positions, slot0, tree_mask)
 
     @torch.inference_mode()
     def hidden_taps(self, tokens: torch.Tensor, positions: torch.Tensor, slot0: int,
@@ -86,19 +80,24 @@ class NativeDecoder:
         """hidden() that also returns the residual after each layer in `taps` (sorted), for drafters that read the
         target's features: -> (final hidden states (T, D), [(T, D) per tap]). The layers run as consecutive ranges,
         each range's residual handed to the next, which is the same arithmetic as one call: logits are unchanged."""
-        m, c = self.model, self.model.config
-        if m.layers[0].self_attn.kv_cache.k is not self.cache:
-            self.gather()
-        x, out, a = m.embed(tokens), [], 0
-        for b in [t + 1 for t in taps] + [c.num_hidden_layers]:
+        x, out, a = self.model.embed(tokens), [], 0
+        for b in [t + 1 for t in taps] + [self.model.config.num_hidden_layers]:
             if b > a:
-                x = self.ops.forward_layers(x, self.weights[a * SLOTS:b * SLOTS], positions, slot0,
-                                            EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local,
-                                            self.windows[a:b], c.num_attention_heads, c.num_key_value_heads,
-                                            c.head_dim, c.rms_norm_eps, c.attention_scale, self.sandwich, self.gelu)
+                x = self.run_layers(x, a, b, positions, slot0, tree_mask)
             out.append(x)
             a = b
         return x, out[:len(taps)]
+
+    def run_layers(self, x: torch.Tensor, start: int, stop: int, positions: torch.Tensor, slot0: int,
+                   tree_mask: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream x (T, D) through layers start..stop-1 in one call into C++."""
+        m, c = self.model, self.model.config
+        if m.layers[0].self_attn.kv_cache.k is not self.cache:
+            self.gather()
+        return self.ops.forward_layers(x, self.weights[start * SLOTS:stop * SLOTS], positions, slot0,
+                                       EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local,
+                                       self.windows[start:stop], c.num_attention_heads, c.num_key_value_heads,
+                                       c.head_dim, c.rms_norm_eps, c.attention_scale, self.sandwich, self.gelu)
 
 
 def native_decoder(model) -> NativeDecoder | None:
