@@ -25,7 +25,7 @@ from common import command_line, fmt, machine, markdown_table, write_json
 ROWS = {
     "fp32": ("float32", None, 32, "float32"),
     "bf16": ("bfloat16", None, 32, "bfloat16"),
-    "int8": ("float32", "int8", 32, "int8, fp16 scale per 32 (Q8_0 layout)"),
+    "int8": ("float32", "int8", 32, "8-bit, fp16 scale and offset per 32 (Q8_0 where it fits better)"),
     "int4-g32": ("float32", "int4", 32, "int4 asymmetric, groups of 32 (Q4_1 layout)"),
     "int4-g128": ("float32", "int4", 128, "int4 asymmetric, groups of 128"),
     "mxfp4": ("float32", "mxfp4", 32, "MXFP4: E2M1, E8M0 scale per 32"),

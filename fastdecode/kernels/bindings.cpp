@@ -13,7 +13,7 @@ at::Tensor forward_layers(at::Tensor x, const std::vector<at::Tensor>& weights, 
                           int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W int8 packed (N/4, K/32, 136) with fp16 block scales");
+  m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W 8-bit packed (N/4, K/32, 144 or 136) with fp16 block scales (and offsets)");
   m.def("q4_linear", &fastdecode::q4_linear,
         "y = x @ W.T + bias, W 4-bit packed (N/4, K/64, 160) with fp16 scales and mins");
   m.def("forward_layers", &forward_layers, "new tokens (a decode step or a draft tree) through every layer (see decode_step.cpp)");

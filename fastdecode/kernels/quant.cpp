@@ -5,8 +5,9 @@
 //
 // Weights are stored tile-major, in the order the kernel reads them, so that each thread reads one sequential
 // stream (the hardware prefetcher's best case):
-// q8_linear: W int8 in blocks of 32 along K, w = d * q (symmetric, like Q8_0), packed as (N/4, K/32, 136) bytes:
-//   for each tile of 4 rows and block, the 4 rows' fp16 scales d, then each row's 32 values.
+// q8_linear: W 8-bit in blocks of 32 along K, packed as (N/4, K/32, 144) bytes: for each tile of 4 rows and block,
+//   the 4 rows' fp16 scales d, their fp16 offsets m, then each row's 32 values q in 0..255, w = d * q + m; or, where
+//   every block is symmetric (Q8_0: m = -128 d), without the offsets as (N/4, K/32, 136) bytes of int8 q, w = d * q.
 // q4_linear: W 4-bit in blocks of 32 along K, w = d * q + m with q in 0..15 (asymmetric, like Q4_1), packed as
 //   (N/4, K/64, 160) bytes: for each tile of 4 rows and pair of blocks, 8 fp16 scales d and 8 fp16 mins m in
 //   (row, block) order, then each row's 32 bytes; byte j of a block holds q[j] | q[j + 16] << 4.
@@ -119,23 +120,29 @@ at::Tensor run(const at::Tensor& x, int64_t N, int64_t K, int64_t tile_bytes, co
   return y;
 }
 
-// MR activation rows (float) against one tile of 4 int8 weight rows -> y[m][4 t + r]. Each block's weights are
-// dequantized to float once (q * d is exact in float: 7 + 11 significant bits) and serve every row; each output
-// is one FMA chain over K, whatever MR, so a row's result does not depend on how many rows share the call.
-template <int MR>
+// MR activation rows (float) against one tile of 4 8-bit weight rows -> y[m][4 t + r]. Each block's weights are
+// dequantized to float once (one FMA: q * d is exact in float, 8 + 11 significant bits) and serve every row; each
+// output is one FMA chain over K, whatever MR, so a row's result does not depend on how many rows share the call.
+template <int MR, bool OFFSET>
 void q8f_rows(const uint8_t* w, int64_t K, const float* x, int64_t N, int64_t t, float* y) {
+  constexpr int64_t head = OFFSET ? 16 : 8;  // scales (and offsets) before the values
   __m256 acc[4][MR];
   for (int r = 0; r < 4; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / QK; ++b, w += 8 + 4 * QK) {
-    alignas(16) float d[4];
+  for (int64_t b = 0; b < K / QK; ++b, w += head + 4 * QK) {
+    alignas(16) float d[4], mn[4];
     _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)w)));
+    if (OFFSET) _mm_store_ps(mn, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(w + 8))));
     for (int c = 0; c < QK; c += 8) {
       __m256 xv[MR];
       for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + b * QK + c);
       for (int r = 0; r < 4; ++r) {
-        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + 8 + r * QK + c)));
-        const __m256 wf = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d[r]));
+        const __m128i raw = _mm_loadl_epi64((const __m128i*)(w + head + r * QK + c));
+        __m256 wf;
+        if (OFFSET)
+          wf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), _mm256_set1_ps(d[r]), _mm256_set1_ps(mn[r]));
+        else
+          wf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), _mm256_set1_ps(d[r]));
         for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(wf, xv[m], acc[r][m]);
       }
     }
@@ -144,15 +151,24 @@ void q8f_rows(const uint8_t* w, int64_t K, const float* x, int64_t N, int64_t t,
     for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = hsum(acc[r][m]);
 }
 
+template <bool OFFSET>
+void q8f_tile(const uint8_t* wt, int64_t K, const float* X, int64_t M, int64_t N, int64_t t, float* Y) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) q8f_rows<3, OFFSET>(wt, K, X + m * K, N, t, Y + m * N);
+  if (M - m == 2) q8f_rows<2, OFFSET>(wt, K, X + m * K, N, t, Y + m * N);
+  if (M - m == 1) q8f_rows<1, OFFSET>(wt, K, X + m * K, N, t, Y + m * N);
+}
+
 }  // namespace
 
 namespace fastdecode {
 
-// w (N/4, K/32, 136) uint8. Weight-only: the activations stay float (int8 activations cost about 2% top-1
+// w (N/4, K/32, 144 or 136) uint8. Weight-only: the activations stay float (int8 activations cost about 2% top-1
 // agreement with the float model, see docs/quantization.md), which costs little where weights dominate the time.
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const int64_t N = w.size(0) * 4, K = w.size(1) * QK;
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 136, "bad q8 weight");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && (w.size(2) == 144 || w.size(2) == 136),
+              "bad q8 weight");
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   const bool has_bias = bias && bias->defined();
   TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
@@ -164,15 +180,15 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   at::Tensor y = at::empty(shape, x2d.options());
   const uint8_t* W = w.data_ptr<uint8_t>();
   const float* X = x2d.data_ptr<float>();
+  const int64_t tile_bytes = w.size(2);
+  const bool offset = tile_bytes == 144;
   const float* B = has_bias ? bias->data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / (4 * K)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* wt = W + t * K / QK * 136;
-      int64_t m = 0;
-      for (; m + 3 <= M; m += 3) q8f_rows<3>(wt, K, X + m * K, N, t, Y + m * N);
-      if (M - m == 2) q8f_rows<2>(wt, K, X + m * K, N, t, Y + m * N);
-      if (M - m == 1) q8f_rows<1>(wt, K, X + m * K, N, t, Y + m * N);
+      const uint8_t* wt = W + t * K / QK * tile_bytes;
+      if (offset) q8f_tile<true>(wt, K, X, M, N, t, Y);
+      else q8f_tile<false>(wt, K, X, M, N, t, Y);
       if (B)
         for (int64_t i = 0; i < M; ++i)
           for (int r = 0; r < 4; ++r) Y[i * N + 4 * t + r] += B[4 * t + r];

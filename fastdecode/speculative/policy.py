@@ -6,7 +6,10 @@ slowly with n, on a compute-bound one fast) and emits 1 + (expected accepted nod
 its parent is and the target agrees with it there: that conditional chance is calibrated online per drafter against
 its conditional score (node score / parent score, in bins) from the nodes whose parent was accepted, and a node's
 chance is the product along its path. The step takes the n with the most tokens per second; when drafts are poor
-that is n = 0, plain decoding, so speculation never costs more than a proposal lookup.
+that is n = 0, plain decoding, so speculation never costs more than a proposal lookup -- except for a short probe
+when a draft's first node falls in a score bin with (almost) no evidence: untested scores start pessimistic, and
+without a probe a drafter that was never verified would never be (a fresh process would not speculate at all).
+Evidence fades, so on text where drafts fail a bin is probed again about every 70 consultations.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from dataclasses import dataclass, field
 from fastdecode.speculative.draft import Draft
 
 BINS = 10
+PROBE_NODES = 1  # a probe verifies the draft's most likely node: one acceptance is evidence enough to go on
+PROBE_BELOW = 0.5  # tries (decayed) under which a bin counts as untested
 
 
 @dataclass
@@ -82,6 +87,9 @@ class Calibration:
         self.hits[b] = self.hits[b] * self.decay + accepted
         self.tries[b] = self.tries[b] * self.decay + 1
 
+    def untested(self, score: float) -> bool:
+        return self.tries[min(int(score * BINS), BINS - 1)] < PROBE_BELOW
+
     def forget(self):
         self.hits = [h * self.forget_rate for h in self.hits]
         self.tries = [t * self.forget_rate for t in self.tries]
@@ -116,8 +124,10 @@ class Policy:
             return None, plain
         if not self.adaptive:
             return draft.subset(list(range(min(len(draft), self.max_nodes)))), float("inf")
-        self.calibration.setdefault(draft.drafter, Calibration()).forget()
+        cal = self.calibration.setdefault(draft.drafter, Calibration())
+        cal.forget()
         est = self.estimates(draft)
+        # Parents first: a child's estimate is at most its parent's, ties go to the lower index (parents come first).
         order = sorted(range(len(draft)), key=lambda i: (-est[i], i))[:self.max_nodes]
         best_n, best_rate, expected = 0, plain, 1.0
         for n, i in enumerate(order, start=1):
@@ -125,6 +135,8 @@ class Policy:
             rate = expected / (self.cost(1 + n) + draft_seconds)
             if rate > best_rate:
                 best_n, best_rate = n, rate
+        if best_n == 0 and cal.untested(conditional_scores(draft)[order[0]]):
+            best_n = min(PROBE_NODES, len(order))
         return (draft.subset(order[:best_n]) if best_n else None), best_rate
 
     def learn(self, draft: Draft, path: list[int]):

@@ -186,7 +186,7 @@ class Speculator:
         for d in self.drafters:
             if d.model_free:
                 chosen, rate = self.policy.choose(d.propose(context, budget))
-                if chosen is not None and rate > best_rate:
+                if chosen is not None and (best is None or rate > best_rate):  # a probe comes at the plain rate
                     best, best_rate = chosen, rate
         self.model_draft_s = 0.0
         for d in self.drafters:

@@ -1,6 +1,6 @@
 """Int8Linear against the float matmul, within bounds derived from the quantization steps, and quantize_model("int8")
-on a tiny random Transformer against the float model. The native backend scales per block of 32 and also rounds
-activations; the aten one scales per output channel."""
+on a tiny random Transformer against the float model. The native backend encodes per block of 32 (asymmetric or
+symmetric, whichever fits the block better); the aten one scales per output channel."""
 import copy
 
 import pytest
@@ -8,39 +8,70 @@ import torch
 from torch import nn
 
 from fastdecode.quant import Int8Linear, quantize_model, weight_bytes
-from fastdecode.quant.int8 import dequantize_blockwise, native_fits, quantize_blockwise, quantize_per_channel
+from fastdecode.quant.int8 import (dequantize_blockwise, from_symmetric, native_fits, quantize_blockwise,
+                                   quantize_per_channel)
 from tests.helpers.tiny import logits, tiny_model
 
 NATIVE = pytest.mark.skipif(not native_fits(4, 32), reason="no AVX2 kernels")
 BACKENDS = ["aten", pytest.param("native", marks=NATIVE)]
 
 
-def activation_error_bound(x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
-    """Worst |x_hat @ w_hat.T - x @ w_hat.T| when x is rounded to int8 in blocks of 32 (step amax / 127): each element
-    moves by at most half a step. x (M, K), w_hat (N, K) -> (M, N)."""
-    step = x.reshape(x.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127
-    half_step = (step / 2).expand(-1, -1, 32).reshape(x.shape)
-    return half_step @ w_hat.abs().T
-
-
 def weight_error(w: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the worst error of every weight, the dequantized weight). Half a step, the step being per 32-block (native)
-    or per row (aten); native's fp16 scale may round down by 2^-11, clipping the block's largest values by 127 times
-    that."""
+    """(the worst error of every weight, the dequantized weight). Native: a block takes the better of two encodings,
+    so its error is at most the worse of their bounds. Symmetric: half a step d = amax / 127, plus 127 d 2^-11 where
+    the fp16 d rounds down and clips the largest values. Asymmetric: half a step d = range / 255, plus 255 d 2^-11
+    for d's rounding and 2^-11 |min| for the offset's. Aten: half a step, the step being per row."""
     if backend == "native":
-        q, scale = quantize_blockwise(w)
-        step = scale.repeat_interleave(32, dim=1)
-        return step / 2 + 127 * step * 2**-11, dequantize_blockwise(q, scale)
+        g = w.reshape(w.shape[0], -1, 32)
+        d_sym, d_asym = g.abs().amax(-1) / 127, (g.amax(-1) - g.amin(-1)) / 255
+        bound = torch.maximum(d_sym / 2 + 127 * d_sym * 2**-10,
+                              d_asym / 2 + 255 * d_asym * 2**-10 + g.amin(-1).abs() * 2**-10)
+        return bound.repeat_interleave(32, dim=1), dequantize_blockwise(*quantize_blockwise(w))
     q, scale = quantize_per_channel(w)
     return scale[:, None].expand_as(w) / 2, q.float() * scale[:, None]
 
 
-def test_blockwise_scales_reproduce_a_q8_0_tensor_exactly():
+def test_blockwise_encoding_reproduces_a_q8_0_tensor_exactly():
     scale = torch.rand(8, 4).half().float()  # what a Q8_0 GGUF tensor holds: fp16 scales, int8 values
     q = torch.randint(-127, 128, (8, 128), dtype=torch.int8)
     q[:, ::32] = 127  # every block reaches its full range, as Q8_0's quantizer makes it
     w = dequantize_blockwise(q, scale)
     assert torch.equal(dequantize_blockwise(*quantize_blockwise(w)), w)
+    q_u, mins = from_symmetric(q, scale)  # as a Q8_0 GGUF tensor loads
+    assert torch.equal(dequantize_blockwise(q_u, scale, mins), w)
+
+
+def test_blockwise_encoding_holds_a_q4_1_tensor_to_fp16_rounding_of_its_scale():
+    """SmolLM2's matrices are Q4_1 (w = d q + m, q in 0..15): the asymmetric encoding maps q to 17 q, so only the fp16
+    rounding of d / 17 remains (2^-11 relative, or 2^-25 absolute where it is subnormal), times at most 255; a
+    symmetric Q8_0 encoding re-rounds the values by up to half its step."""
+    torch.manual_seed(0)
+    d, m = (torch.rand(16, 8) * 0.01).half().float(), (-torch.rand(16, 8) * 0.08).half().float()
+    q4 = torch.randint(0, 16, (16, 8, 32)).float()
+    q4[..., 0], q4[..., 1] = 0, 15  # full range, as Q4_1's quantizer makes it
+    w = (q4 * d[..., None] + m[..., None]).reshape(16, 256)
+    err = (dequantize_blockwise(*quantize_blockwise(w)) - w).abs().reshape(16, 8, 32)
+    assert (err <= 255 * torch.maximum(d / 17 * 2**-11, torch.tensor(2**-25))[..., None] * 1.001).all()
+    q_sym = (w.reshape(16, 8, 32) / (w.reshape(16, 8, 32).abs().amax(-1, keepdim=True) / 127)).round()
+    err_sym = (q_sym * w.reshape(16, 8, 32).abs().amax(-1, keepdim=True) / 127 - w.reshape(16, 8, 32)).abs()
+    assert err.mean() < err_sym.mean() / 10
+
+
+@NATIVE
+def test_native_kernel_computes_with_the_encoded_weights_in_both_layouts():
+    """A Q8_0 tensor is packed without offsets (136 bytes per tile and block), anything else with them (144)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 128)
+    scale = (torch.rand(8, 4) * 0.01).half().float()
+    q = torch.randint(-127, 128, (8, 128), dtype=torch.int8)
+    q[:, ::32] = 127
+    q8_0 = Int8Linear.from_tensors({"qweight": q, "scales": scale.half()}, backend="native")
+    assert q8_0.qweight.shape == (2, 4, 136)
+    torch.testing.assert_close(q8_0(x), x @ dequantize_blockwise(q, scale).T, rtol=1e-5, atol=1e-5)
+    w = torch.randn(8, 128) * 0.05 + 0.03
+    layer = Int8Linear.from_weight(w, backend="native")
+    assert layer.qweight.shape == (2, 4, 144)
+    torch.testing.assert_close(layer(x), x @ dequantize_blockwise(*quantize_blockwise(w)).T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -50,10 +81,8 @@ def test_output_within_quantization_step_of_float_matmul(backend, m):
     w, b = torch.randn(96, 128) * 0.05, torch.randn(96)
     layer = Int8Linear.from_weight(w, b, backend=backend)
     x = torch.randn(m, 128)
-    err, w_hat = weight_error(w, backend)
+    err, _ = weight_error(w, backend)
     bound = x.abs() @ err.T + 1e-4 * (x.abs() @ w.abs().T)  # the second term: float rounding
-    if backend == "native":  # the kernel also rounds x to int8
-        bound = bound + activation_error_bound(x, w_hat)
     assert ((layer(x) - (x @ w.T + b)).abs() <= bound).all()
 
 
@@ -75,8 +104,8 @@ def test_bfloat16_input_gives_bfloat16_output(backend):
     assert torch.allclose(y.float(), layer(x), rtol=0.05, atol=0.3)
 
 
-@pytest.mark.parametrize("backend,scale_bytes", [("aten", 32 * 4), pytest.param("native", 32 * 2 * 2, marks=NATIVE)])
-def test_bias_stays_float32_and_weight_bytes_count_int8_and_scales(backend, scale_bytes):
+@pytest.mark.parametrize("backend,scale_bytes", [("aten", 32 * 4), pytest.param("native", 32 * 2 * 4, marks=NATIVE)])
+def test_bias_stays_float32_and_weight_bytes_count_int8_scales_and_offsets(backend, scale_bytes):
     layer = Int8Linear.from_linear(nn.Linear(64, 32, bias=True), backend=backend)
     assert layer.bias.dtype == torch.float32
     assert layer.weight_bytes() == 32 * 64 + scale_bytes + 32 * 4  # int8 weight, its scales, float bias

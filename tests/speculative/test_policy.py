@@ -4,7 +4,7 @@ import pytest
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.kernels import native_ops
 from fastdecode.speculative.draft import Draft
-from fastdecode.speculative.policy import CostModel, Policy
+from fastdecode.speculative.policy import PROBE_NODES, CostModel, Policy
 from tests.speculative.helpers import plain_tokens, speculative_tokens, tiny_target
 from fastdecode.speculative.drafter import Drafter
 
@@ -71,6 +71,34 @@ def test_a_drafter_that_went_bad_is_tried_again_after_a_while():
         consultations += 1
         assert consultations < 1000
     assert consultations > 20  # but not at once
+
+
+def test_a_confident_draft_without_evidence_is_probed_and_then_verified_in_full():
+    """Untested scores start pessimistic (a long chain of them promises less than its cost), so without a probe a
+    fresh process would never verify a draft and never learn that its drafts are good."""
+    policy = Policy(linear_cost())
+    chain = Draft.chain(list(range(12)), [1.0] * 12, drafter="d")
+    assert policy.estimates(chain)[0] == pytest.approx(0.5)
+    probe, _ = policy.choose(chain)
+    assert probe is not None and len(probe) == PROBE_NODES
+    for _ in range(40):  # each verified draft was accepted whole
+        policy.learn(probe, list(range(len(probe))))
+        probe, _ = policy.choose(chain)
+        if len(probe) == 12:
+            break
+    assert len(probe) == 12
+
+
+def test_a_drafter_that_fails_its_probe_is_probed_again_only_after_a_while():
+    policy = Policy(linear_cost())
+    chain = Draft.chain([1, 2, 3, 4], [0.9] * 4, drafter="d")
+    verified = []
+    for _ in range(300):
+        chosen, _ = policy.choose(chain)
+        verified.append(chosen is not None)
+        if chosen is not None:
+            policy.learn(chain, [])  # the first node is always rejected
+    assert verified[0] and 2 <= sum(verified) <= 300 / 50
 
 
 def test_tree_nodes_are_chosen_parents_first():
