@@ -1,7 +1,12 @@
 """SuffixDecoding (Oliaro et al., 2024): suffix tries over the current request and over earlier requests of this
 process; the longest suffix of the context found in a trie leads to a node whose subtree holds every continuation
 seen after that pattern, with counts. The draft is a tree of the most frequent continuations, grown best-first by
-empirical path probability, as deep as the match is long (a long match predicts well; a one-token match, little)."""
+path score, as deep as the match is long (a long match predicts well; a one-token match, little).
+
+A node's score given its parent is its empirical frequency times k / (k + 1), k the tokens of context matched before
+it (the match plus the draft tokens above it), as the n-gram drafter ranks its matches: one-token matches that were
+followed once are not scored like a file being copied, so the policy calibrates the two apart (they fail and hold
+at very different rates)."""
 from __future__ import annotations
 
 import heapq
@@ -72,16 +77,18 @@ class SuffixTrie:
         return 0, None
 
 
-def grow_tree(node: Node, budget: int, max_depth: int, min_prob: float, drafter: str) -> Draft:
-    """Best-first: always adds the candidate continuation with the highest empirical path probability."""
+def grow_tree(node: Node, matched: int, budget: int, max_depth: int, min_prob: float, drafter: str) -> Draft:
+    """Best-first: always adds the candidate continuation with the highest path score; `node` is where the last
+    `matched` tokens of the context lead."""
     draft = Draft(drafter=drafter)
     heap = []  # (-probability, tie-breaker, token, trie node, parent index in the draft, depth)
     order = itertools.count()
 
     def push_children(n: Node, prob: float, parent: int, depth: int):
         total = sum(c.count for c in n.children.values())
+        k = matched + depth - 1
         for token, c in n.children.items():
-            p = prob * c.count / total
+            p = prob * c.count / total * k / (k + 1)
             if p >= min_prob:
                 heapq.heappush(heap, (-p, next(order), token, c, parent, depth))
 
@@ -124,7 +131,7 @@ class SuffixDrafter(Drafter):
             m, node = trie.match(context, self.max_match)
             if node is None:
                 continue
-            draft = grow_tree(node, budget, max(1, int(self.depth_per_match * m)), self.min_prob, self.name)
+            draft = grow_tree(node, m, budget, max(1, int(self.depth_per_match * m)), self.min_prob, self.name)
             if trie is self.global_trie and node.seq in self.sequences:
                 self.sequences.move_to_end(node.seq)  # used: evict it last
             if best is None or sum(draft.scores) > sum(best.scores):

@@ -1,4 +1,6 @@
 """Suffix tries and the suffix drafter on tiny token arrays."""
+import pytest
+
 from fastdecode.speculative.suffix import SuffixDrafter, SuffixTrie
 
 
@@ -45,7 +47,22 @@ def test_draft_tree_branches_by_frequency():
     first_level = {t: s for t, s, p in zip(draft.tokens, draft.scores, draft.parents) if p == -1}
     assert set(first_level) == {3, 4}
     assert first_level[3] > first_level[4]
-    assert abs(first_level[3] - 2 / 3) < 1e-9
+    assert abs(first_level[3] - 2 / 3 * 2 / 3) < 1e-9  # frequency 2/3, times 2/3 for a two-token match
+
+
+def test_a_longer_match_scores_its_continuations_higher():
+    """Both continuations were seen once, after a one-token and after a four-token match: the scores tell them apart
+    (the policy calibrates per score bin), and along a draft each step's score grows with the tokens matched."""
+    d = SuffixDrafter(depth_per_match=2)
+    short = [5, 9, 8, 5]  # "5" was followed by 9 once
+    d.start(short)
+    one = d.propose(short, budget=4)
+    long = [1, 2, 3, 4, 7, 7, 7, 1, 2, 3, 4]  # "1 2 3 4" was followed by 7 7 7 once
+    d.start(long)
+    four = d.propose(long, budget=4)
+    assert one.scores[0] == 0.5 and four.scores[0] == 0.8
+    steps = [four.scores[i] / four.scores[four.parents[i]] for i in range(1, len(four)) if four.parents[i] >= 0]
+    assert steps == pytest.approx([5 / 6, 6 / 7, 7 / 8])
 
 
 def test_depth_scales_with_match_length():
