@@ -127,7 +127,8 @@ class Policy:
         cal = self.calibration.setdefault(draft.drafter, Calibration())
         cal.forget()
         est = self.estimates(draft)
-        # Parents first: a child's estimate is at most its parent's, ties go to the lower index (parents come first).
+        # Parents first: a child's estimate is at most its parent's, ties go to the lower index (parents come first),
+        # so order[0] hangs under the root and its score is its conditional score.
         order = sorted(range(len(draft)), key=lambda i: (-est[i], i))[:self.max_nodes]
         best_n, best_rate, expected = 0, plain, 1.0
         for n, i in enumerate(order, start=1):
@@ -135,7 +136,7 @@ class Policy:
             rate = expected / (self.cost(1 + n) + draft_seconds)
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        if best_n == 0 and cal.untested(conditional_scores(draft)[order[0]]):
+        if best_n == 0 and cal.untested(min(1.0, draft.scores[order[0]])):
             best_n = min(PROBE_NODES, len(order))
         return (draft.subset(order[:best_n]) if best_n else None), best_rate
 
