@@ -59,10 +59,10 @@ void rotary(float* x, const float* cos, const float* sin, int64_t hd) {
 
 using fastdecode::hsum;
 
-// e^x for x <= 0 (scores minus their maximum), as in Cephes' expf: 2^n * p(r) with r = x - n ln 2, |error| about
-// 1 ulp. std::exp per score cost more than the dot product that made it.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // keeps 2^n a normal float; e^-87 is 0 next to the max's 1
+// e^x for x in [-87, 88] (where 2^n stays a normal float), as in Cephes' expf: 2^n * p(r) with r = x - n ln 2,
+// |error| about 1 ulp. std::exp per element cost more than the arithmetic around it (attention scores, the MLP's
+// activation).
+inline __m256 exp_in_range(__m256 x) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -76,6 +76,13 @@ inline __m256 exp_nonpositive(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// e^x for x <= 0 (scores minus their maximum): e^-87 is 0 next to the maximum's 1.
+inline __m256 exp_nonpositive(__m256 x) { return exp_in_range(_mm256_max_ps(x, _mm256_set1_ps(-87.0f))); }
+
+inline __m256 exp_any(__m256 x) {
+  return exp_in_range(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f)));
 }
 
 // One query head (hd floats, hd % 8 == 0) against the keys and values in `slots` -> out (hd). Every key's score is
@@ -183,8 +190,26 @@ void attention(const float* q, const float* k, const float* v, int64_t T, int64_
   });
 }
 
-inline float gelu_tanh(float x) {
-  return 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+// The gated activation of the MLP, in place on the first half of g (2 I): g[i] = act(g[i]) * g[I + i], where act is
+// SiLU, x / (1 + e^-x), or GELU's tanh approximation, x / (1 + e^(-2u)) with u = sqrt(2 / pi) (x + 0.044715 x^3).
+void gated_activation(float* g, int64_t I, bool gelu) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    __m256 z = x;  // act(x) = x / (1 + e^-z)
+    if (gelu) {
+      const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+      z = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+    }
+    const __m256 e = exp_any(_mm256_sub_ps(_mm256_setzero_ps(), z));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(g + I + i)));
+  }
+  for (; i < I; ++i) {
+    const float x = g[i];
+    const float z = gelu ? 2.0f * 0.7978845608028654f * (x + 0.044715f * x * x * x) : x;
+    g[i] = x / (1.f + std::exp(-z)) * g[I + i];
+  }
 }
 
 }  // namespace
@@ -258,13 +283,7 @@ at::Tensor forward_layers(at::Tensor x, const std::vector<at::Tensor>& weights, 
     }
     at::Tensor gu = linear(h, w[GU_W], w[GU_B]);  // (T, 2 I)
     const int64_t I = gu.size(1) / 2;
-    for (int64_t t = 0; t < T; ++t) {
-      float* G = gu.data_ptr<float>() + t * 2 * I;
-      for (int64_t i = 0; i < I; ++i) {
-        const float a = G[i];
-        G[i] = (gelu ? gelu_tanh(a) : a / (1.f + std::exp(-a))) * G[I + i];
-      }
-    }
+    for (int64_t t = 0; t < T; ++t) gated_activation(gu.data_ptr<float>() + t * 2 * I, I, gelu);
     at::Tensor d = linear(gu.narrow(1, 0, I), w[DOWN_W], w[DOWN_B]);
     float* Dn = d.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {

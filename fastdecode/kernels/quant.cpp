@@ -1,7 +1,10 @@
 // Quantized matmuls for x86 with AVX2 (+FMA, F16C). q8_linear is weight-only: float activations times int8
 // weights dequantized in registers. q4_linear works as llama.cpp's Q4_1 dot product: each activation row is
 // quantized to int8 in blocks of 32 (scale d = amax / 127), and the u4 x int8 products are summed with
-// vpmaddubsw / vpmaddwd, then scaled per block in float.
+// vpmaddubsw / vpmaddwd, then scaled per block in float. Several activation rows (a verify step, a prefill) share
+// each weight tile: int4 unpacks a weight row's nibbles once for up to 8 rows, int8 dequantizes a tile once for 6
+// rows or more. Either way each output is the same arithmetic whatever the number of rows, so a verify step
+// reproduces the decode steps it replaces bit for bit.
 //
 // Weights are stored tile-major, in the order the kernel reads them, so that each thread reads one sequential
 // stream (the hardware prefetcher's best case):
@@ -17,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <vector>
+
 #include "simd.h"
 
 namespace {
@@ -25,11 +30,14 @@ constexpr int64_t QK = 32;
 
 using fastdecode::hsum;
 
-// x (rows, K) float -> xq (rows, K) int8 and, per block of 32, ds = (d, d * sum(q)) as float pairs.
-void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* ds) {
+// x (rows, K) float, K a multiple of 64 -> xq (rows, K) int8 quantized per block of 32 (d = amax / 127), and per pair
+// of blocks (b, b+1) 16 floats xs: (d_b x4, d_b+1 x4) to scale the pair's dot products, then (s_b, s_b+1) x4 with
+// s = d * sum(q), the weight mins' factor. xq is stored in the order q4_rows reads it: per pair of blocks, elements
+// 0..15 of b, of b+1, then elements 16..31 of b, of b+1 (the halves that a weight byte's two nibbles meet).
+void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* xs) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t i = 0; i < blocks; ++i, x += QK, xq += QK) {
+  for (int64_t i = 0; i < blocks; ++i, x += QK) {
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
       v[j] = _mm256_loadu_ps(x + 8 * j);
@@ -44,80 +52,129 @@ void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* ds) {
     const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     // packs interleave 128-bit lanes; the permute restores element order.
     __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    _mm256_storeu_si256((__m256i*)xq, _mm256_permutevar8x32_epi32(p, perm));
-    ds[2 * i] = d;
-    ds[2 * i + 1] = d * hsum(_mm256_cvtepi32_ps(sum));
+    p = _mm256_permutevar8x32_epi32(p, perm);
+    const int64_t pair = i / 2, half = i % 2;
+    int8_t* out = xq + 64 * pair + 16 * half;
+    _mm_storeu_si128((__m128i*)out, _mm256_castsi256_si128(p));
+    _mm_storeu_si128((__m128i*)(out + 32), _mm256_extracti128_si256(p, 1));
+    float* s = xs + 16 * pair;
+    const float sx = d * hsum(_mm256_cvtepi32_ps(sum));
+    for (int j = 0; j < 4; ++j) {
+      s[4 * half + j] = d;
+      s[8 + 2 * j + half] = sx;
+    }
   }
 }
 
-// A tile of 4 rows of 4-bit weights against one quantized activation row, two blocks per step -> the 4 dot products.
-inline void q4_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* ds, float* out) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  // Picks row r's (block b, block b+1) scales out of the 8 (row, block) lanes: b's into lanes 0-3, b+1's into 4-7.
-  const __m256i bcast[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                            _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  __m256 acc_min = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / QK; b += 2, w += 160) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));          // weight scales, (row, block)
-    const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16)));  // weight mins, (row, block)
-    const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + b * QK));
-    const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + b * QK + QK));
-    const __m256i xlo = _mm256_permute2x128_si256(x0, x1, 0x20);  // elements 0..15 of block b | of block b+1
-    const __m256i xhi = _mm256_permute2x128_si256(x0, x1, 0x31);  // elements 16..31 of each
-    // ds holds (d_x, s_x) per block with s_x = d_x * sum(q_x); spread as (b, b+1) pairs to match (row, block).
-    const __m128 v = _mm_loadu_ps(ds + 2 * b);
-    const __m128 d2 = _mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 0, 2, 0));
-    const __m128 s2 = _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 3, 1));
-    const __m256 scale = _mm256_mul_ps(d, _mm256_set_m128(d2, d2));
-    acc_min = _mm256_fmadd_ps(mins, _mm256_set_m128(s2, s2), acc_min);
+// Row r's (block b, block b+1) scales out of a pair's 8 (row, block) lanes: b's into lanes 0-3, b+1's into 4-7, as
+// the pair's dot products come out of vpmaddwd.
+inline __m256i row_scales(int r) {
+  return _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1);
+}
+
+// MR quantized activation rows against one tile of 4 rows of 4-bit weights -> y[m][4 t + r]. One pass over K per
+// weight row, the row's nibbles unpacked once per pair of blocks and used for all MR activation rows (whose
+// accumulators are all that stays in registers, so MR can be large). For every output the arithmetic is the same
+// whatever MR: a row's result does not depend on how many rows share the call (verify steps reproduce decode steps).
+template <int MR>
+void q4_rows(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int64_t N, int64_t t, float* y) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t pairs = K / 64;
+  for (int r = 0; r < 4; ++r) {
+    const __m256i bcast = row_scales(r);
+    __m256 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    const uint8_t* wp = w;
+    for (int64_t p = 0; p < pairs; ++p, wp += 160) {
+      const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)wp)), bcast);
+      const __m256i q = _mm256_loadu_si256((const __m256i*)(wp + 32 + 32 * r));
+      const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xm = xq + m * K + 64 * p;
+        // u4 * i8 pair sums stay far inside int16, so both halves add before widening.
+        const __m256i s = _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xm)),
+                             _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xm + 32)))),
+            ones);
+        const __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(xs + (m * pairs + p) * 16));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) y[m * N + 4 * t + r] = hsum(acc[m]);
+  }
+  // The weight mins' share, sum over blocks of m_w * d_x * sum(q_x), for all 4 rows at once in (row, block) lanes.
+  for (int m = 0; m < MR; ++m) {
+    __m256 acc = _mm256_setzero_ps();
+    const uint8_t* wp = w;
+    for (int64_t p = 0; p < pairs; ++p, wp += 160)
+      acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wp + 16))),
+                            _mm256_loadu_ps(xs + (m * pairs + p) * 16 + 8), acc);
+    alignas(32) float mn[8];
+    _mm256_store_ps(mn, acc);
+    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = y[m * N + 4 * t + r] + mn[2 * r] + mn[2 * r + 1];
+  }
+}
+
+// One or two activation rows against a tile of 4 weight rows, all 4 in one pass over K: for so few rows the 4
+// passes of q4_rows cost more than they share. Same arithmetic for every output as q4_rows.
+template <int MR>
+void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int64_t N, int64_t t, float* y) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t pairs = K / 64;
+  __m256 acc[MR][4], acc_min[MR];
+  for (int m = 0; m < MR; ++m) {
+    acc_min[m] = _mm256_setzero_ps();
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p, w += 160) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+    const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16)));
+    for (int m = 0; m < MR; ++m)
+      acc_min[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + (m * pairs + p) * 16 + 8), acc_min[m]);
     for (int r = 0; r < 4; ++r) {
       const __m256i q = _mm256_loadu_si256((const __m256i*)(w + 32 + 32 * r));
       const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-      // u4 * i8 pair sums stay far inside int16, so both halves add before widening.
-      const __m256i p = _mm256_madd_epi16(
-          _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), _mm256_set1_epi16(1));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(scale, bcast[r]), acc[r]);
-    }
-  }
-  alignas(32) float mn[8];
-  _mm256_store_ps(mn, acc_min);
-  for (int r = 0; r < 4; ++r) out[r] = hsum(acc[r]) + mn[2 * r] + mn[2 * r + 1];
-}
-
-// Quantizes the rows of x (..., K), then runs tile(t, xq, ds, sums) for every tile t of 4 output rows and every
-// activation row, on all threads, and returns y (..., N) = sums + bias. (Two activation rows per tile call, sharing
-// each weight load, measured no faster at M = 4..16 on Zen 3.)
-template <typename Tile>
-at::Tensor run(const at::Tensor& x, int64_t N, int64_t K, int64_t tile_bytes, const c10::optional<at::Tensor>& bias,
-               const Tile& tile) {
-  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
-  const at::Tensor x2d = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x2d.size(0);
-  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar));
-  const at::Tensor ds = at::empty({M, K / QK, 2}, x2d.options());
-  quantize_rows(x2d.data_ptr<float>(), M * K / QK, xq.data_ptr<int8_t>(), ds.data_ptr<float>());
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x2d.options());
-  const int8_t* XQ = xq.data_ptr<int8_t>();
-  const float* DS = ds.data_ptr<float>();
-  const bool has_bias = bias && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
-              "bias must be float32 of out_features");
-  const float* B = has_bias ? bias->data_ptr<float>() : nullptr;
-  float* Y = y.data_ptr<float>();
-  // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
-  at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t m = 0; m < M; ++m) {
-        float sums[4];
-        tile(t, XQ + m * K, DS + m * K / QK * 2, sums);
-        for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] = sums[r] + (B ? B[4 * t + r] : 0.0f);
+      const __m256 dr = _mm256_permutevar8x32_ps(d, row_scales(r));
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xm = xq + m * K + 64 * p;
+        const __m256i s = _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xm)),
+                             _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xm + 32)))),
+            ones);
+        const __m256 scale = _mm256_mul_ps(dr, _mm256_loadu_ps(xs + (m * pairs + p) * 16));
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m][r]);
       }
     }
-  });
-  return y;
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float mn[8];
+    _mm256_store_ps(mn, acc_min[m]);
+    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = hsum(acc[m][r]) + mn[2 * r] + mn[2 * r + 1];
+  }
+}
+
+// All M rows against tile t: one row alone, more in calls of up to 8 rows of about equal size.
+void q4_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int64_t M, int64_t N, int64_t t,
+             float* y) {
+  if (M <= 2) return M == 1 ? q4_pass<1>(w, K, xq, xs, N, t, y) : q4_pass<2>(w, K, xq, xs, N, t, y);
+  const int64_t row_xs = K / 64 * 16, calls = (M + 7) / 8;
+  for (int64_t c = 0, m = 0; c < calls; ++c) {
+    const int64_t rows = (M - m) / (calls - c);
+    const int8_t* xm = xq + m * K;
+    const float* sm = xs + m * row_xs;
+    float* ym = y + m * N;
+    switch (rows) {
+      case 1: q4_pass<1>(w, K, xm, sm, N, t, ym); break;
+      case 2: q4_pass<2>(w, K, xm, sm, N, t, ym); break;
+      case 3: q4_rows<3>(w, K, xm, sm, N, t, ym); break;
+      case 4: q4_rows<4>(w, K, xm, sm, N, t, ym); break;
+      case 5: q4_rows<5>(w, K, xm, sm, N, t, ym); break;
+      case 6: q4_rows<6>(w, K, xm, sm, N, t, ym); break;
+      case 7: q4_rows<7>(w, K, xm, sm, N, t, ym); break;
+      default: q4_rows<8>(w, K, xm, sm, N, t, ym); break;
+    }
+    m += rows;
+  }
 }
 
 // MR activation rows (float) against one tile of 4 8-bit weight rows -> y[m][4 t + r]. Each block's weights are
@@ -151,9 +208,56 @@ void q8f_rows(const uint8_t* w, int64_t K, const float* x, int64_t N, int64_t t,
     for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = hsum(acc[r][m]);
 }
 
+// The tile's weights dequantized to float exactly as q8f_rows does in registers -> buf (K / 8, 4, 8): per 8 columns,
+// the 4 rows' 8 values, in the order f32_rows reads them.
 template <bool OFFSET>
-void q8f_tile(const uint8_t* wt, int64_t K, const float* X, int64_t M, int64_t N, int64_t t, float* Y) {
+void dequantize_tile(const uint8_t* w, int64_t K, float* buf) {
+  constexpr int64_t head = OFFSET ? 16 : 8;
+  for (int64_t b = 0; b < K / QK; ++b, w += head + 4 * QK) {
+    alignas(16) float d[4], mn[4];
+    _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)w)));
+    if (OFFSET) _mm_store_ps(mn, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(w + 8))));
+    for (int c = 0; c < QK; c += 8, buf += 32)
+      for (int r = 0; r < 4; ++r) {
+        const __m128i raw = _mm_loadl_epi64((const __m128i*)(w + head + r * QK + c));
+        __m256 wf;
+        if (OFFSET)
+          wf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), _mm256_set1_ps(d[r]), _mm256_set1_ps(mn[r]));
+        else
+          wf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), _mm256_set1_ps(d[r]));
+        _mm256_storeu_ps(buf + 8 * r, wf);
+      }
+  }
+}
+
+// MR rows against a tile dequantized by dequantize_tile: the same FMA chains as q8f_rows.
+template <int MR>
+void f32_rows(const float* buf, int64_t K, const float* x, int64_t N, int64_t t, float* y) {
+  __m256 acc[4][MR];
+  for (int r = 0; r < 4; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8, buf += 32) {
+    __m256 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int r = 0; r < 4; ++r)
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(buf + 8 * r), xv[m], acc[r][m]);
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = hsum(acc[r][m]);
+}
+
+// All M rows against tile t, in calls of up to 3 rows (4 x 3 accumulators fill the registers). From 6 rows on the
+// tile is dequantized once into buf (4 K floats) instead of once per call (below that, measured no faster).
+template <bool OFFSET>
+void q8f_tile(const uint8_t* wt, int64_t K, const float* X, int64_t M, int64_t N, int64_t t, float* Y, float* buf) {
   int64_t m = 0;
+  if (M >= 6) {
+    dequantize_tile<OFFSET>(wt, K, buf);
+    for (; m + 3 <= M; m += 3) f32_rows<3>(buf, K, X + m * K, N, t, Y + m * N);
+    if (M - m == 2) f32_rows<2>(buf, K, X + m * K, N, t, Y + m * N);
+    if (M - m == 1) f32_rows<1>(buf, K, X + m * K, N, t, Y + m * N);
+    return;
+  }
   for (; m + 3 <= M; m += 3) q8f_rows<3, OFFSET>(wt, K, X + m * K, N, t, Y + m * N);
   if (M - m == 2) q8f_rows<2, OFFSET>(wt, K, X + m * K, N, t, Y + m * N);
   if (M - m == 1) q8f_rows<1, OFFSET>(wt, K, X + m * K, N, t, Y + m * N);
@@ -185,10 +289,11 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const float* B = has_bias ? bias->data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / (4 * K)), [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(M >= 6 ? 4 * K : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = W + t * K / QK * tile_bytes;
-      if (offset) q8f_tile<true>(wt, K, X, M, N, t, Y);
-      else q8f_tile<false>(wt, K, X, M, N, t, Y);
+      if (offset) q8f_tile<true>(wt, K, X, M, N, t, Y, buf.data());
+      else q8f_tile<false>(wt, K, X, M, N, t, Y, buf.data());
       if (B)
         for (int64_t i = 0; i < M; ++i)
           for (int r = 0; r < 4; ++r) Y[i * N + 4 * t + r] += B[4 * t + r];
@@ -197,14 +302,39 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   return y;
 }
 
-// w (N/4, K/64, 160) uint8.
+// w (N/4, K/64, 160) uint8. The rows of x are quantized to int8 per block of 32, then every tile of 4 output rows
+// takes all of them, tiles spread over the threads.
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const int64_t N = w.size(0) * 4, K = w.size(1) * 2 * QK;
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 160, "bad q4 weight");
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  const bool has_bias = bias && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
+              "bias must be float32 of out_features");
+  const at::Tensor x2d = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x2d.size(0);
+  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar));
+  const at::Tensor xs = at::empty({M, K / 64, 16}, x2d.options());
+  quantize_rows(x2d.data_ptr<float>(), M * K / QK, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x2d.options());
   const uint8_t* W = w.data_ptr<uint8_t>();
-  return run(x, N, K, 4 * K * 5 / 8, bias, [&](int64_t t, const int8_t* xq, const float* ds, float* sums) {
-    q4_tile(W + t * K / 64 * 160, K, xq, ds, sums);
+  const int8_t* XQ = xq.data_ptr<int8_t>();
+  const float* XS = xs.data_ptr<float>();
+  const float* B = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+  const int64_t tile_bytes = K / 64 * 160;
+  // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
+  at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      q4_tile(W + t * tile_bytes, K, XQ, XS, M, N, t, Y);
+      if (B)
+        for (int64_t m = 0; m < M; ++m)
+          for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] += B[4 * t + r];
+    }
   });
+  return y;
 }
 
 }  // namespace fastdecode

@@ -75,6 +75,24 @@ def test_native_kernel_computes_with_the_encoded_weights_in_both_layouts():
     torch.testing.assert_close(layer(x), x @ dequantize_blockwise(*quantize_blockwise(w)).T, rtol=1e-5, atol=1e-5)
 
 
+@NATIVE
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_native_row_does_not_depend_on_how_many_rows_share_the_call(symmetric):
+    """Up to 5 rows are computed from weights dequantized in registers, more from a dequantized copy of the tile; a
+    verify step must reproduce decode steps bit for bit either way."""
+    torch.manual_seed(0)
+    if symmetric:
+        q = torch.randint(-127, 128, (40, 320), dtype=torch.int8)
+        layer = Int8Linear.from_tensors({"qweight": q, "scales": torch.rand(40, 10).half()}, torch.randn(40), "native")
+    else:
+        layer = Int8Linear.from_weight(torch.randn(40, 320), torch.randn(40), backend="native")
+    assert layer.qweight.shape[-1] == (136 if symmetric else 144)
+    x = torch.randn(20, 320)
+    for m in (1, 2, 3, 4, 5, 6, 7, 9, 20):
+        y = layer(x[:m])
+        assert all(torch.equal(y[i], layer(x[i:i + 1])[0]) for i in range(m)), m
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("m", [1, 3, 16, 70])
 def test_output_within_quantization_step_of_float_matmul(backend, m):
