@@ -73,7 +73,7 @@ lab: install
 # to generated and held-out bundled prompts plus stdlib sources. Writes head.safetensors, config.json and train.log to
 # DRAFTER_DIR (where `--speculate eagle` and `auto+eagle` look); rerun to resume an interrupted run.
 DRAFTER_DIR ?= $(or $(FASTDECODE_HOME),$(HOME)/.cache/fastdecode)/drafters/smollm2-135m
-DRAFTER_ARGS ?= --chat-prompts 16 --answer-tokens 96 --code-tokens 6000 --epochs 6 --batch 4 --lr 2e-3
+DRAFTER_ARGS ?= --chat-prompts 120 --answer-tokens 160 --code-tokens 30000 --epochs 3 --batch 8 --lr 2e-3
 .PHONY: drafter
 drafter: install
 	$(FASTDECODE) pull smollm2-135m

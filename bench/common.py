@@ -76,3 +76,29 @@ def fmt_range(s: dict, spec: str = ".1f") -> str:
     if len(s["runs"]) == 1:
         return format(s["median"], spec)
     return f"{s['median']:{spec}} ({s['min']:{spec}}-{s['max']:{spec}})"
+
+
+def native_kernels_at(rev: str):
+    """fastdecode's native kernels as they were at git revision `rev`, built as a second extension module beside the
+    current one, so that a benchmark can time both side by side in one process. The packed weight layouts must be
+    the same at both revisions (they are since the int8 offsets, commit 261b9b5)."""
+    import subprocess
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    from fastdecode.kernels import FLAGS, SOURCES
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args) -> bytes:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True).stdout
+
+    sha = git("rev-parse", "--short=10", rev).decode().strip()
+    top = Path(tempfile.gettempdir()) / f"fastdecode-kernels-{sha}"
+    (top / "build").mkdir(parents=True, exist_ok=True)
+    for name in git("ls-tree", "--name-only", sha, "fastdecode/kernels/").decode().split():
+        if name.endswith((".cpp", ".h")):
+            (top / Path(name).name).write_bytes(git("show", f"{sha}:{name}"))
+    return load(f"fastdecode_native_{sha}", [str(top / s.name) for s in SOURCES], extra_cflags=FLAGS,
+                extra_ldflags=["-fopenmp"], build_directory=str(top / "build"))

@@ -4,6 +4,8 @@
     python bench/kernels.py --ms 1 --reps 5 # quicker
     python bench/kernels.py --threads 1     # on a busy shared machine: with more runnable threads than cores, a
                                             # 2-thread op can wait out another process's time slice (~8 ms)
+    python bench/kernels.py --only native_int4_g32,native_int8 --baseline ba4a3e5 --ms 1,2,4,9,16
+                                            # our kernels beside those of a git revision, taking turns
 
 Each shape uses as many distinct weight copies as the model has layers (30), called in turn, so the working set is
 the model's and the weights are not served from cache more than in a real decode. Candidates are interleaved in
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common import native_kernels_at
 from fastdecode.quant import int4, int8
 
 # name: (out_features, in_features, copies per token)
@@ -90,7 +93,15 @@ def module(cls, **kw):
     return make
 
 
-def candidates():
+def baseline_op(cls, ops, **kw):
+    """The module's packed weights through another build's op (see --baseline)."""
+    def make(w):
+        m = cls.from_weight(w, None, **kw)
+        return (lambda x: getattr(ops, m.native_op)(x, m.qweight, m.bias)), m.weight_bytes()
+    return make
+
+
+def candidates(baseline: str = ""):
     c = {"fp32": fp32, "bf16": bf16, "int8pack_mm": int8pack, "int8_dyn_fbgemm": dynamic_int8_fbgemm,
          "int8_int_mm": int_mm}
     for g in (32, 64, 128):
@@ -98,6 +109,10 @@ def candidates():
     if int8.native_fits(4, 32):  # our AVX2 kernels, through the modules quantize_model installs
         c["native_int8"] = module(int8.Int8Linear, backend="native")
         c["native_int4_g32"] = module(int4.Int4Linear, backend="native", group_size=32)
+        if baseline:
+            ops = native_kernels_at(baseline)
+            c[f"native_int8@{baseline}"] = baseline_op(int8.Int8Linear, ops, backend="native")
+            c[f"native_int4_g32@{baseline}"] = baseline_op(int4.Int4Linear, ops, backend="native", group_size=32)
     return c
 
 
@@ -211,13 +226,15 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated kernel names")
     p.add_argument("--too-slow", type=float, default=0.5, help="skip a kernel whose first call takes longer (s)")
+    p.add_argument("--baseline", default="", help="also time the native kernels of this git revision")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernels.json"))
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     ms = [int(m) for m in a.ms.split(",")]
-    makers = candidates()
+    makers = candidates(a.baseline)
     if a.only:
-        makers = {c: makers[c] for c in a.only.split(",")}
+        only = a.only.split(",")
+        makers = {c: m for c, m in makers.items() if c.split("@")[0] in only}  # a --baseline twin goes along
     print(f"torch {torch.__version__}, {a.threads} threads, cpu {torch.backends.cpu.get_cpu_capability()}")
     result = {"torch": torch.__version__, "threads": a.threads, "reps": a.reps,
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "bandwidth": bandwidth(a.reps)}

@@ -76,9 +76,20 @@ inline __m256i row_scales(int r) {
 // weight row, the row's nibbles unpacked once per pair of blocks and used for all MR activation rows (whose
 // accumulators are all that stays in registers, so MR can be large). For every output the arithmetic is the same
 // whatever MR: a row's result does not depend on how many rows share the call (verify steps reproduce decode steps).
+// One weight row's 32 bytes of a pair of blocks times one activation row's 64 int8 (as quantize_rows lays them out)
+// -> the 8 int32 partial dot products: lanes 0-3 block b, 4-7 block b+1.
+inline __m256i pair_dot(const uint8_t* wq, const int8_t* x) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i q = _mm256_loadu_si256((const __m256i*)wq);
+  const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+  // u4 * i8 pair sums stay far inside int16, so both halves add before widening.
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x)),
+                                            _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)))),
+                           _mm256_set1_epi16(1));
+}
+
 template <int MR>
 void q4_rows(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int64_t N, int64_t t, float* y) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t pairs = K / 64;
   for (int r = 0; r < 4; ++r) {
     const __m256i bcast = row_scales(r);
@@ -87,15 +98,8 @@ void q4_rows(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
     const uint8_t* wp = w;
     for (int64_t p = 0; p < pairs; ++p, wp += 160) {
       const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)wp)), bcast);
-      const __m256i q = _mm256_loadu_si256((const __m256i*)(wp + 32 + 32 * r));
-      const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
       for (int m = 0; m < MR; ++m) {
-        const int8_t* xm = xq + m * K + 64 * p;
-        // u4 * i8 pair sums stay far inside int16, so both halves add before widening.
-        const __m256i s = _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xm)),
-                             _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xm + 32)))),
-            ones);
+        const __m256i s = pair_dot(wp + 32 + 32 * r, xq + m * K + 64 * p);
         const __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(xs + (m * pairs + p) * 16));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m]);
       }
@@ -119,7 +123,6 @@ void q4_rows(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
 // passes of q4_rows cost more than they share. Same arithmetic for every output as q4_rows.
 template <int MR>
 void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int64_t N, int64_t t, float* y) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t pairs = K / 64;
   __m256 acc[MR][4], acc_min[MR];
   for (int m = 0; m < MR; ++m) {
@@ -132,15 +135,9 @@ void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
     for (int m = 0; m < MR; ++m)
       acc_min[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + (m * pairs + p) * 16 + 8), acc_min[m]);
     for (int r = 0; r < 4; ++r) {
-      const __m256i q = _mm256_loadu_si256((const __m256i*)(w + 32 + 32 * r));
-      const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
       const __m256 dr = _mm256_permutevar8x32_ps(d, row_scales(r));
       for (int m = 0; m < MR; ++m) {
-        const int8_t* xm = xq + m * K + 64 * p;
-        const __m256i s = _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xm)),
-                             _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xm + 32)))),
-            ones);
+        const __m256i s = pair_dot(w + 32 + 32 * r, xq + m * K + 64 * p);
         const __m256 scale = _mm256_mul_ps(dr, _mm256_loadu_ps(xs + (m * pairs + p) * 16));
         acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m][r]);
       }
@@ -177,6 +174,14 @@ void q4_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
   }
 }
 
+// 8 weights of one row: d * q + m (one FMA; q * d is exact in float, 8 + 11 significant bits), or d * q for int8 q.
+template <bool OFFSET>
+inline __m256 dequantize8(const uint8_t* q, float d, float m) {
+  const __m128i raw = _mm_loadl_epi64((const __m128i*)q);
+  if (OFFSET) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), _mm256_set1_ps(d), _mm256_set1_ps(m));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), _mm256_set1_ps(d));
+}
+
 // MR activation rows (float) against one tile of 4 8-bit weight rows -> y[m][4 t + r]. Each block's weights are
 // dequantized to float once (one FMA: q * d is exact in float, 8 + 11 significant bits) and serve every row; each
 // output is one FMA chain over K, whatever MR, so a row's result does not depend on how many rows share the call.
@@ -187,19 +192,14 @@ void q8f_rows(const uint8_t* w, int64_t K, const float* x, int64_t N, int64_t t,
   for (int r = 0; r < 4; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / QK; ++b, w += head + 4 * QK) {
-    alignas(16) float d[4], mn[4];
+    alignas(16) float d[4], mn[4] = {};
     _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)w)));
     if (OFFSET) _mm_store_ps(mn, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(w + 8))));
     for (int c = 0; c < QK; c += 8) {
       __m256 xv[MR];
       for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + b * QK + c);
       for (int r = 0; r < 4; ++r) {
-        const __m128i raw = _mm_loadl_epi64((const __m128i*)(w + head + r * QK + c));
-        __m256 wf;
-        if (OFFSET)
-          wf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), _mm256_set1_ps(d[r]), _mm256_set1_ps(mn[r]));
-        else
-          wf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), _mm256_set1_ps(d[r]));
+        const __m256 wf = dequantize8<OFFSET>(w + head + r * QK + c, d[r], mn[r]);
         for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(wf, xv[m], acc[r][m]);
       }
     }
@@ -214,18 +214,12 @@ template <bool OFFSET>
 void dequantize_tile(const uint8_t* w, int64_t K, float* buf) {
   constexpr int64_t head = OFFSET ? 16 : 8;
   for (int64_t b = 0; b < K / QK; ++b, w += head + 4 * QK) {
-    alignas(16) float d[4], mn[4];
+    alignas(16) float d[4], mn[4] = {};
     _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)w)));
     if (OFFSET) _mm_store_ps(mn, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(w + 8))));
     for (int c = 0; c < QK; c += 8, buf += 32)
       for (int r = 0; r < 4; ++r) {
-        const __m128i raw = _mm_loadl_epi64((const __m128i*)(w + head + r * QK + c));
-        __m256 wf;
-        if (OFFSET)
-          wf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), _mm256_set1_ps(d[r]), _mm256_set1_ps(mn[r]));
-        else
-          wf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), _mm256_set1_ps(d[r]));
-        _mm256_storeu_ps(buf + 8 * r, wf);
+        _mm256_storeu_ps(buf + 8 * r, dequantize8<OFFSET>(w + head + r * QK + c, d[r], mn[r]));
       }
   }
 }
@@ -267,17 +261,30 @@ void q8f_tile(const uint8_t* wt, int64_t K, const float* X, int64_t M, int64_t N
 
 namespace fastdecode {
 
+namespace {
+// x (..., K) as a contiguous float (M, K) matrix.
+at::Tensor as_rows(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  return x.reshape({-1, K}).to(at::kFloat).contiguous();
+}
+
+// The bias as a float pointer, null when absent.
+const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
+              "bias must be float32 of out_features");
+  return bias->data_ptr<float>();
+}
+}  // namespace
+
 // w (N/4, K/32, 144 or 136) uint8. Weight-only: the activations stay float (int8 activations cost about 2% top-1
 // agreement with the float model, see docs/quantization.md), which costs little where weights dominate the time.
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const int64_t N = w.size(0) * 4, K = w.size(1) * QK;
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && (w.size(2) == 144 || w.size(2) == 136),
               "bad q8 weight");
-  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
-  const bool has_bias = bias && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
-              "bias must be float32 of out_features");
-  const at::Tensor x2d = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const at::Tensor x2d = as_rows(x, K);
+  const float* B = bias_of(bias, N);
   const int64_t M = x2d.size(0);
   auto shape = x.sizes().vec();
   shape.back() = N;
@@ -286,7 +293,6 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const float* X = x2d.data_ptr<float>();
   const int64_t tile_bytes = w.size(2);
   const bool offset = tile_bytes == 144;
-  const float* B = has_bias ? bias->data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / (4 * K)), [&](int64_t t0, int64_t t1) {
     std::vector<float> buf(M >= 6 ? 4 * K : 0);
@@ -307,11 +313,8 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const int64_t N = w.size(0) * 4, K = w.size(1) * 2 * QK;
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 160, "bad q4 weight");
-  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
-  const bool has_bias = bias && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
-              "bias must be float32 of out_features");
-  const at::Tensor x2d = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const at::Tensor x2d = as_rows(x, K);
+  const float* B = bias_of(bias, N);
   const int64_t M = x2d.size(0);
   const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar));
   const at::Tensor xs = at::empty({M, K / 64, 16}, x2d.options());
@@ -322,7 +325,6 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const uint8_t* W = w.data_ptr<uint8_t>();
   const int8_t* XQ = xq.data_ptr<int8_t>();
   const float* XS = xs.data_ptr<float>();
-  const float* B = has_bias ? bias->data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   const int64_t tile_bytes = K / 64 * 160;
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.

@@ -186,7 +186,7 @@ def fit(o: TrainOptions, cfg, target: Target, data: dict, progress, log=print, e
     checkpoint, step, train_s = o.out / "checkpoint.pt", 0, 0.0
     if checkpoint.exists():
         state = torch.load(checkpoint, weights_only=True)  # tensors, numbers and strings only: no pickle
-        if state["options"] != options_key(o):
+        if options_key(state["options"]) != options_key(o):
             raise ValueError(f"{checkpoint} was written with other settings; remove it or pass another --out")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
@@ -239,8 +239,13 @@ def fit(o: TrainOptions, cfg, target: Target, data: dict, progress, log=print, e
     return summary
 
 
-def options_key(o: TrainOptions) -> dict:
-    return {k: str(v) for k, v in asdict(o).items() if k not in ("threads", "checkpoint_every")}
+RUN_LOCAL = ("out", "data_dir", "threads", "checkpoint_every")  # a run moved or resumed elsewhere is the same run
+
+
+def options_key(o: TrainOptions | dict) -> dict:
+    """The settings a checkpoint must share to be resumed (of options, or of a checkpoint's stored key)."""
+    items = o.items() if isinstance(o, dict) else asdict(o).items()
+    return {k: str(v) for k, v in items if k not in RUN_LOCAL}
 
 
 def save_checkpoint(path: Path, head, opt, sched, step: int, train_s: float, o: TrainOptions):

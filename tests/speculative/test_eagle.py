@@ -125,10 +125,11 @@ def test_interrupted_training_resumes_to_the_same_head(tmp_path: Path):
     fit(TrainOptions(out=tmp_path / "whole", **OPTS), cfg(), target, data, Quiet(), lambda *a: None)
     with pytest.raises(KeyboardInterrupt):  # interrupted after 6 steps: the checkpoint holds step 4
         fit(TrainOptions(out=tmp_path / "cut", **OPTS), cfg(), target, data, Quiet(stop_after=6), lambda *a: None)
+    (tmp_path / "cut").rename(tmp_path / "moved")  # where a run writes is not one of its settings
     lines = []
-    fit(TrainOptions(out=tmp_path / "cut", **OPTS), cfg(), target, data, Quiet(), lines.append)
+    fit(TrainOptions(out=tmp_path / "moved", **OPTS), cfg(), target, data, Quiet(), lines.append)
     assert any("resumed" in line and "step 4/" in line for line in lines)
-    resumed, _ = load_head(tmp_path / "cut", model)
+    resumed, _ = load_head(tmp_path / "moved", model)
     uninterrupted, _ = load_head(tmp_path / "whole", model)
     for (name, a), b in zip(resumed.state_dict().items(), uninterrupted.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), name
