@@ -1,7 +1,9 @@
 """Suffix tries and the suffix drafter on tiny token arrays."""
+import random
+
 import pytest
 
-from fastdecode.speculative.suffix import SuffixDrafter, SuffixTrie
+from fastdecode.speculative.suffix import SuffixDrafter, SuffixTrie, TextIndex, grow_tree
 
 
 def test_trie_counts_every_suffix_up_to_its_depth():
@@ -82,3 +84,25 @@ def test_earlier_requests_are_remembered_and_evicted_oldest_first():
     d.finish(list(range(30, 40)))  # 19 tokens stored > 12: the oldest request goes
     d.start([1, 2])
     assert d.propose([1, 2], budget=3) is None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_text_index_matches_and_drafts_as_a_trie_over_the_same_text(seed):
+    """The request's own text is indexed by positions rather than built into a trie: every match and every draft
+    grown from it (tokens, parents, scores, order) must be the trie's, including where the trie's depth cuts it."""
+    rng = random.Random(seed)
+    depth = rng.choice([3, 5, 24])
+    text = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(1, 80))]
+    trie, index = SuffixTrie(depth), TextIndex(depth)
+    trie.insert(text)
+    index.extend(text)
+    for max_len in (1, 2, 4, 16):
+        m, node = trie.match(text, max_len)
+        m2, occ = index.match(text, max_len)
+        assert m2 == m and (occ is None) == (node is None)
+        if node is None:
+            continue
+        for budget, max_depth in ((1, 1), (8, 2), (24, 48)):
+            a = grow_tree(node, m, budget, max_depth, 0.01, "suffix")
+            b = grow_tree(occ, m, budget, max_depth, 0.01, "suffix")
+            assert (b.tokens, b.parents, b.scores) == (a.tokens, a.parents, a.scores)
