@@ -85,55 +85,147 @@ inline __m256 exp_any(__m256 x) {
   return exp_in_range(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f)));
 }
 
-// One query head (hd floats, hd % 8 == 0) against the keys and values in `slots` -> out (hd). Every key's score is
-// one FMA chain over hd and every output element one chain over the keys, whatever the number of keys or of tokens
-// in the call, so a token's result is the same in a decode step and in a verify step.
-template <int NV>  // 8-float vectors of the output held in registers at a time (hd % (8 NV) == 0)
-void attend(const float* q, const float* k, const float* v, const int64_t* slots, int64_t L, int64_t hd,
-            float scale, float* p, float* out) {
-  int64_t j = 0;
-  for (; j + 4 <= L; j += 4) {  // four independent chains hide the FMA latency
-    const float* k0 = k + slots[j] * hd;
-    const float* k1 = k + slots[j + 1] * hd;
-    const float* k2 = k + slots[j + 2] * hd;
-    const float* k3 = k + slots[j + 3] * hd;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+// Attention in tiles of keys: a work item is a few queries of one KV group (the heads of a group and the tokens of a
+// verify step read the same keys), and each tile of KEY_TILE keys and values is read by all of them while it sits in
+// L1, instead of once per query from L2. Every key's score is one FMA chain over hd and the same horizontal sum, and
+// every output element one FMA chain over the keys in order, whatever the tiling, the number of tokens in the call
+// or the queries that share an item, so a token's result is the same in a decode step and in a verify step.
+constexpr int64_t KEY_TILE = 32;  // 32 keys of 64 floats: 8 KB of keys and 8 KB of values
+
+// p[r][i] = (q[r] . key i) * scale for NQ queries and n keys, key i at k + slot(i) * hd (hd % 8 == 0). Two queries
+// over four keys are eight independent FMA chains, enough to keep both FMA units busy through their latency; one
+// query takes four keys at a time (eight streams of keys were slower where the keys come from memory).
+template <int NQ, typename Slot>
+void scores(const float* const* q, const float* k, Slot slot, int64_t n, int64_t hd, float scale, float* const* p) {
+  constexpr int NK = 4;
+  int64_t i = 0;
+  for (; i + NK <= n; i += NK) {
+    const float* key[NK];
+    for (int b = 0; b < NK; ++b) key[b] = k + slot(i + b) * hd;
+    __m256 a[NQ][NK];
+    for (int r = 0; r < NQ; ++r)
+      for (int b = 0; b < NK; ++b) a[r][b] = _mm256_setzero_ps();
     for (int64_t d = 0; d < hd; d += 8) {
-      const __m256 qd = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
-      a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d), a1);
-      a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d), a2);
-      a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d), a3);
+      __m256 qd[NQ];
+      for (int r = 0; r < NQ; ++r) qd[r] = _mm256_loadu_ps(q[r] + d);
+      for (int b = 0; b < NK; ++b) {
+        const __m256 kd = _mm256_loadu_ps(key[b] + d);
+        for (int r = 0; r < NQ; ++r) a[r][b] = _mm256_fmadd_ps(qd[r], kd, a[r][b]);
+      }
     }
-    p[j] = hsum(a0) * scale, p[j + 1] = hsum(a1) * scale, p[j + 2] = hsum(a2) * scale, p[j + 3] = hsum(a3) * scale;
+    for (int r = 0; r < NQ; ++r)
+      for (int b = 0; b < NK; ++b) p[r][i + b] = hsum(a[r][b]) * scale;
   }
-  for (; j < L; ++j) {
-    const float* kj = k + slots[j] * hd;
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
-    p[j] = hsum(a) * scale;
+  for (; i < n; ++i) {
+    const float* ki = k + slot(i) * hd;
+    for (int r = 0; r < NQ; ++r) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), _mm256_loadu_ps(ki + d), a);
+      p[r][i] = hsum(a) * scale;
+    }
   }
+}
+
+// p[0..n) <- e^(p - max p), in place (p has room for a whole last vector; lanes past n become 0) -> 1 / their sum.
+float softmax_weights(float* p, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
-  for (j = 0; j < L; ++j) mx = std::max(mx, p[j]);
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
   const __m256 vmx = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
-  for (j = 0; j < L; j += 8) {  // p has room for a whole last vector; lanes past L become 0
+  for (int64_t j = 0; j < n; j += 8) {
     const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(L)), lane));
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
     const __m256 e = _mm256_and_ps(live, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmx)));
     _mm256_storeu_ps(p + j, e);
     vsum = _mm256_add_ps(vsum, e);
   }
-  const __m256 inv = _mm256_set1_ps(1.f / hsum(vsum));
+  return 1.f / hsum(vsum);
+}
+
+// out (hd) += sum over i of p[i] * value i (at v + slot(i) * hd), each element's chain continuing in i order.
+template <int NV, typename Slot>  // NV 8-float vectors of out in registers at a time (hd % (8 NV) == 0)
+void accumulate(const float* p, const float* v, Slot slot, int64_t n, int64_t hd, float* out) {
   for (int64_t d0 = 0; d0 < hd; d0 += 8 * NV) {
     __m256 acc[NV];
-    for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
-    for (j = 0; j < L; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      const float* vj = v + slots[j] * hd + d0;
-      for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+    for (int c = 0; c < NV; ++c) acc[c] = _mm256_loadu_ps(out + d0 + 8 * c);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 pi = _mm256_set1_ps(p[i]);
+      const float* vi = v + slot(i) * hd + d0;
+      for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 8 * c), acc[c]);
     }
-    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], inv));
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);
+  }
+}
+
+// Which keys a query sees: the cache slots [first, slot0) (positions 0..slot0-1 in order) inside its sliding window,
+// then the new tokens (slots slot0 + j) that the tree mask allows (mask (T, T), row t: its ancestors and itself;
+// null means a causal chain) and that lie inside the window: the same list a decode step at its position would see.
+struct Visible {
+  int64_t first;
+  std::vector<int64_t> tail;
+};
+
+Visible visible_keys(int64_t t, int64_t T, int64_t slot0, const int64_t* positions, const bool* mask, int64_t window) {
+  const int64_t pos = positions[t];
+  Visible out{window ? std::min(slot0, std::max<int64_t>(0, pos - window + 1)) : 0, {}};
+  for (int64_t j = 0; j < T; ++j) {
+    const bool visible = mask ? mask[t * T + j] : j <= t;
+    if (visible && (!window || pos - positions[j] < window)) out.tail.push_back(slot0 + j);
+  }
+  return out;
+}
+
+// Queries q[i] (hd) that share one KV group's cache k, v (S, hd) -> out[i] (hd).
+template <int NV>
+void attend_tiled(const std::vector<const float*>& q, const std::vector<float*>& out, const std::vector<Visible>& seen,
+                  const float* k, const float* v, int64_t slot0, int64_t hd, float scale) {
+  const int64_t n = q.size();
+  std::vector<int64_t> offset(n + 1, 0);  // query i's weights p[offset[i]..]: its cache keys, then its tail
+  int64_t lo = slot0;
+  for (int64_t i = 0; i < n; ++i) {
+    offset[i + 1] = offset[i] + (slot0 - seen[i].first) + seen[i].tail.size() + 8;
+    lo = std::min(lo, seen[i].first);
+  }
+  std::vector<float> p(offset[n]);
+  const auto keys = [](int64_t a) { return [a](int64_t j) { return a + j; }; };  // the cache slots a, a + 1, ...
+  for (int64_t s = lo; s < slot0; s += KEY_TILE) {
+    const int64_t e = std::min(s + KEY_TILE, slot0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t a = std::max(s, seen[i].first);
+      float* pi[2] = {p.data() + offset[i] + a - seen[i].first, nullptr};
+      if (i + 1 < n && std::max(s, seen[i + 1].first) == a && a < e) {  // two queries over the same keys
+        const float* qi[2] = {q[i], q[i + 1]};
+        pi[1] = p.data() + offset[i + 1] + a - seen[i + 1].first;
+        scores<2>(qi, k, keys(a), e - a, hd, scale, pi);
+        ++i;
+      } else if (a < e) {
+        scores<1>(&q[i], k, keys(a), e - a, hd, scale, pi);
+      }
+    }
+  }
+  std::vector<float> inv(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const std::vector<int64_t>& tail = seen[i].tail;
+    float* pi = p.data() + offset[i];
+    const int64_t cached = slot0 - seen[i].first;
+    float* pt = pi + cached;
+    scores<1>(&q[i], k, [&tail](int64_t j) { return tail[j]; }, tail.size(), hd, scale, &pt);
+    inv[i] = softmax_weights(pi, cached + tail.size());
+    std::fill(out[i], out[i] + hd, 0.f);
+  }
+  for (int64_t s = lo; s < slot0; s += KEY_TILE) {
+    const int64_t e = std::min(s + KEY_TILE, slot0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t a = std::max(s, seen[i].first);
+      if (a < e) accumulate<NV>(p.data() + offset[i] + a - seen[i].first, v, keys(a), e - a, hd, out[i]);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const std::vector<int64_t>& tail = seen[i].tail;
+    accumulate<NV>(p.data() + offset[i] + slot0 - seen[i].first, v, [&tail](int64_t j) { return tail[j]; }, tail.size(), hd,
+                   out[i]);
+    const __m256 vinv = _mm256_set1_ps(inv[i]);
+    for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(out[i] + d, _mm256_mul_ps(_mm256_loadu_ps(out[i] + d), vinv));
   }
 }
 
@@ -158,34 +250,45 @@ void attend_scalar(const float* q, const float* k, const float* v, const int64_t
   for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
 }
 
-// Queries q (T, H, hd) of the new tokens against the cache k, v (K, S, hd) -> out (T, H, hd). Token t sees the
-// cache slots [first_t, slot0), which hold positions 0..slot0-1 in order, and the new tokens j (in slots slot0 + j)
-// that the tree mask allows (mask (T, T), row t: its ancestors and itself; null means a causal chain) and that lie
-// inside the sliding window: one list of slots in position order, the same list a decode step at that position
-// would see, so that verify steps reproduce decode steps bit for bit (see tests/speculative). (token, head) pairs
-// run in parallel.
+// Queries q (T, H, hd) of the new tokens against the cache k, v (K, S, hd) -> out (T, H, hd). Work items run in
+// parallel: each KV group's queries (token by token, its heads in order) cut into equal runs, the runs of all groups
+// a multiple of the thread count (at least three per thread), so that the threads get even shares and the queries
+// of a run share the tiles they read.
 void attention(const float* q, const float* k, const float* v, int64_t T, int64_t H, int64_t K, int64_t S,
                int64_t hd, int64_t slot0, const int64_t* positions, const bool* mask, int64_t window, float scale,
                float* out) {
-  const int64_t group = H / K;
-  const auto kernel = hd % 64 == 0 ? attend<8> : hd % 32 == 0 ? attend<4> : hd % 16 == 0 ? attend<2>
-                      : hd % 8 == 0 ? attend<1> : attend_scalar;
-  at::parallel_for(0, T * H, (slot0 + T) * hd * T * H >= 16384 ? 1 : T * H, [&](int64_t i0, int64_t i1) {
+  const int64_t group = H / K, per_group = T * group, threads = at::get_num_threads();
+  int64_t runs = (3 * threads + K - 1) / K;  // per group
+  while (K * runs % threads) ++runs;
+  runs = std::min(runs, per_group);
+  const auto kernel = hd % 64 == 0 ? attend_tiled<8> : hd % 32 == 0 ? attend_tiled<4> : hd % 16 == 0 ? attend_tiled<2>
+                                                                                        : attend_tiled<1>;
+  at::parallel_for(0, K * runs, (slot0 + T) * hd * T * H >= 16384 ? 1 : K * runs,
+                   [&](int64_t i0, int64_t i1) {
+    std::vector<const float*> qs;
+    std::vector<float*> outs;
+    std::vector<Visible> seen;
     std::vector<float> p;
-    std::vector<int64_t> slots;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / H, h = i % H, pos = positions[t];
-      const int64_t first = window ? std::min(slot0, std::max<int64_t>(0, pos - window + 1)) : 0;
-      slots.clear();
-      for (int64_t j = first; j < slot0; ++j) slots.push_back(j);
-      for (int64_t j = 0; j < T; ++j) {
-        const bool visible = mask ? mask[t * T + j] : j <= t;
-        if (visible && (!window || pos - positions[j] < window)) slots.push_back(slot0 + j);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t g = item / runs, run = item % runs;
+      qs.clear(), outs.clear(), seen.clear();
+      for (int64_t r = per_group * run / runs; r < per_group * (run + 1) / runs; ++r) {
+        const int64_t t = r / group, h = g * group + r % group;
+        if (hd % 8) {  // plain loops, one query at a time
+          const Visible vis = visible_keys(t, T, slot0, positions, mask, window);
+          std::vector<int64_t> slots;
+          for (int64_t j = vis.first; j < slot0; ++j) slots.push_back(j);
+          slots.insert(slots.end(), vis.tail.begin(), vis.tail.end());
+          p.resize(slots.size());
+          attend_scalar(q + (t * H + h) * hd, k + g * S * hd, v + g * S * hd, slots.data(), slots.size(), hd, scale,
+                        p.data(), out + (t * H + h) * hd);
+          continue;
+        }
+        qs.push_back(q + (t * H + h) * hd);
+        outs.push_back(out + (t * H + h) * hd);
+        seen.push_back(visible_keys(t, T, slot0, positions, mask, window));
       }
-      const int64_t L = slots.size();
-      p.resize(L + 8);
-      kernel(q + (t * H + h) * hd, k + (h / group) * S * hd, v + (h / group) * S * hd, slots.data(), L, hd, scale,
-             p.data(), out + (t * H + h) * hd);
+      if (!qs.empty()) kernel(qs, outs, seen, k + g * S * hd, v + g * S * hd, slot0, hd, scale);
     }
   });
 }

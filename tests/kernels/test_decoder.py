@@ -55,18 +55,23 @@ def test_bfloat16_models_are_left_to_pytorch():
     assert not NativeDecoder.supports(model)
 
 
-# Vector attention holding 2 or 8 registers, and the plain loops (head sizes whose o_proj the int4 kernel takes).
-@pytest.mark.parametrize("heads,head_dim", [(4, 16), (4, 64), (16, 12)])
+# Vector attention holding 2 or 8 registers, and the plain loops (head sizes whose o_proj the int4 kernel takes);
+# one, two and three query heads per KV head (queries of a group are scored in pairs); prompts inside one
+# tile of keys and across several (32 keys a tile); a sliding window shorter than the prompt on one of two layers
+# (queries of one step then see different first keys).
+@pytest.mark.parametrize("heads,head_dim", [(4, 16), (2, 64), (4, 64), (6, 64), (16, 12)])
 @pytest.mark.parametrize("tree", [False, True])
-def test_verify_step_reproduces_decode_steps_bit_for_bit(heads, head_dim, tree):
+@pytest.mark.parametrize("prompt_len,window", [(20, None), (75, None), (75, 40)])
+def test_verify_step_reproduces_decode_steps_bit_for_bit(heads, head_dim, tree, prompt_len, window):
     """Speculation is only lossless if verifying tokens together gives each the logits of decoding it alone."""
     torch.manual_seed(0)
     config = ModelConfig(family="llama", vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim)
+                         num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim, sliding_window=window,
+                         layer_types=["sliding_attention", "full_attention"] if window else [])
     model = quantize_model(Transformer(config).eval(), "int4")
-    model.setup_cache(64)
+    model.setup_cache(128)
     decoder = native_decoder(model)
-    prompt, path = prompt_tokens(20), [5, 9, 2, 7]
+    prompt, path = prompt_tokens(prompt_len), [5, 9, 2, 7]
     prefill(model, prompt)
     steps = torch.stack([decoder(torch.tensor([[t]]), len(prompt) + i) for i, t in enumerate(path)])
     tokens, parents = (path, [-1, 0, 1, 2]) if not tree else ([5, 11, 9, 2, 3, 7], [-1, 0, 0, 2, 2, 3])
