@@ -78,21 +78,37 @@ def fmt_range(s: dict, spec: str = ".1f") -> str:
     return f"{s['median']:{spec}} ({s['min']:{spec}}-{s['max']:{spec}})"
 
 
+def git(*args) -> bytes:
+    import subprocess
+
+    return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          check=True).stdout
+
+
+def package_at(rev: str) -> Path:
+    """A directory holding the `fastdecode` package as it was at git revision `rev`: put it first on sys.path, before
+    anything imports fastdecode, to run that revision's Python (with native_kernels_at(rev) for its kernels)."""
+    import io
+    import tarfile
+    import tempfile
+
+    sha = git("rev-parse", "--short=10", rev).decode().strip()
+    top = Path(tempfile.gettempdir()) / f"fastdecode-src-{sha}"
+    if not (top / "fastdecode" / "__init__.py").exists():
+        with tarfile.open(fileobj=io.BytesIO(git("archive", sha, "fastdecode"))) as tar:
+            tar.extractall(top, filter="data")
+    return top
+
+
 def native_kernels_at(rev: str):
     """fastdecode's native kernels as they were at git revision `rev`, built as a second extension module beside the
     current one, so that a benchmark can time both side by side in one process. The packed weight layouts must be
     the same at both revisions (they are since the int8 offsets, commit 261b9b5)."""
-    import subprocess
     import tempfile
 
     from torch.utils.cpp_extension import load
 
     from fastdecode.kernels import FLAGS, SOURCES
-
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args) -> bytes:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True).stdout
 
     sha = git("rev-parse", "--short=10", rev).decode().strip()
     top = Path(tempfile.gettempdir()) / f"fastdecode-kernels-{sha}"

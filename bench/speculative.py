@@ -4,7 +4,7 @@ llama.cpp's and transformers' prompt lookup, on the same prompts, in one run.
     python bench/speculative.py                 # 3 prompts per category, up to 128 tokens; bench/results/speculative.*
     python bench/speculative.py --quick         # 1 prompt per category, 32 tokens; speculative-quick.*
     python bench/speculative.py --configs none,auto,none@ba4a3e5,auto@ba4a3e5 --peers '' --categories code_edit \
-        --per-category 9 --out bench/results/kernels-ab   # the same policy on another revision's kernels
+        --per-category 9 --out bench/results/kernels-ab   # beside fastdecode as it was at another revision
 
 `eagle` and `auto+eagle` use the trained head `make drafter` writes (docs/eagle.md); without it those rows are
 skipped.
@@ -43,16 +43,18 @@ LOOKUP_TOKENS = 10  # draft length for the peers' prompt lookup (their usual set
 # ---- engines, each in its own worker process -------------------------------------------------------------------
 class Fastdecode:
     def __init__(self, config, model, threads, quant):
+        config, _, rev = config.partition("@")
+        if rev:  # `auto@REV`: fastdecode as it was at git revision REV, its Python and its native kernels
+            import torch.utils.cpp_extension as extension
+
+            from common import native_kernels_at, package_at
+
+            sys.path.insert(0, str(package_at(rev)))
+            ops, load = native_kernels_at(rev), extension.load
+            # REV's own build would overwrite today's under the same name and directory: hand it the copy built apart
+            extension.load = lambda name, *a, **kw: ops if name == "fastdecode_native" else load(name, *a, **kw)
         from fastdecode import LLM
 
-        config, _, rev = config.partition("@")
-        if rev:  # `auto@REV`: the kernels of git revision REV under today's Python (an A/B of the kernels alone)
-            import fastdecode.kernels.decoder as decoder
-            import fastdecode.quant.linear as linear
-            from common import native_kernels_at
-
-            ops = native_kernels_at(rev)
-            decoder.native_ops = linear.native_ops = lambda: ops
         self.llm = LLM(model, quant=quant or None, threads=threads, speculate=config)
 
     def run(self, ids, max_tokens, penalty):
@@ -221,7 +223,7 @@ def main(argv=None):
     p.add_argument("--per-category", type=int, default=3, help="prompts per workload category")
     p.add_argument("--max-tokens", type=int, default=128, help="cap on each prompt's max_tokens")
     p.add_argument("--configs", default=",".join(OURS + HEADS),
-                   help="our --speculate values; CONFIG@REV runs it on the native kernels of git revision REV")
+                   help="our --speculate values; CONFIG@REV runs it on fastdecode as it was at git revision REV")
     p.add_argument("--categories", default="", help="comma-separated workload categories (default: all)")
     p.add_argument("--peers", default=",".join(PEERS), help="peer engines, or '' for none")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
