@@ -9,7 +9,8 @@ chance is the product along its path. The step takes the n with the most tokens 
 that is n = 0, plain decoding, so speculation never costs more than a proposal lookup -- except for a short probe
 when a draft's first node falls in a score bin with (almost) no evidence: untested scores start pessimistic, and
 without a probe a drafter that was never verified would never be (a fresh process would not speculate at all).
-Evidence fades, so on text where drafts fail a bin is probed again about every 70 consultations.
+Evidence fades, so on text where drafts fail a bin is probed again about every 70 consultations; probes are spaced
+PROBE_GAP consultations apart at least.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from fastdecode.speculative.draft import Draft
 BINS = 10
 PROBE_NODES = 1  # a probe verifies the draft's most likely node: one acceptance is evidence enough to go on
 PROBE_BELOW = 0.5  # tries (decayed) under which a bin counts as untested
+PROBE_GAP = 24  # consultations from one probe to the next: on text where drafts fail, untested bins (every drafter's,
+# each coming due again as its evidence fades) would otherwise be probed in bursts, up to 7 failed probes in one
+# 32-token window, which is what the floor reads
 
 
 @dataclass
@@ -108,6 +112,8 @@ class Policy:
     def __init__(self, cost: CostModel, max_nodes: int = 24, adaptive: bool = True):
         self.cost, self.max_nodes, self.adaptive = cost, max_nodes, adaptive
         self.calibration: dict[str, Calibration] = {}
+        self.probe_gap = PROBE_GAP
+        self.consultations, self.last_probe = 0, -PROBE_GAP
 
     def estimates(self, draft: Draft) -> list[float]:
         """Each node's chance that its whole path is accepted."""
@@ -126,6 +132,7 @@ class Policy:
             return draft.subset(list(range(min(len(draft), self.max_nodes)))), float("inf")
         cal = self.calibration.setdefault(draft.drafter, Calibration())
         cal.forget()
+        self.consultations += 1
         est = self.estimates(draft)
         # Parents first: a child's estimate is at most its parent's, ties go to the lower index (parents come first),
         # so order[0] hangs under the root and its score is its conditional score.
@@ -136,8 +143,9 @@ class Policy:
             rate = expected / (self.cost(1 + n) + draft_seconds)
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        if best_n == 0 and cal.untested(min(1.0, draft.scores[order[0]])):
-            best_n = min(PROBE_NODES, len(order))
+        if (best_n == 0 and cal.untested(min(1.0, draft.scores[order[0]]))
+                and self.consultations - self.last_probe >= self.probe_gap):
+            best_n, self.last_probe = min(PROBE_NODES, len(order)), self.consultations
         return (draft.subset(order[:best_n]) if best_n else None), best_rate
 
     def learn(self, draft: Draft, path: list[int]):

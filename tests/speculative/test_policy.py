@@ -4,7 +4,7 @@ import pytest
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.kernels import native_ops
 from fastdecode.speculative.draft import Draft
-from fastdecode.speculative.policy import PROBE_NODES, CostModel, Policy
+from fastdecode.speculative.policy import PROBE_GAP, PROBE_NODES, CostModel, Policy
 from tests.speculative.helpers import plain_tokens, speculative_tokens, tiny_target
 from fastdecode.speculative.drafter import Drafter
 
@@ -129,3 +129,19 @@ def test_adaptive_policy_stops_verifying_a_drafter_that_is_always_wrong():
                                     cost=FixedCost(*vars(linear_cost()).values()))
     assert got == plain_tokens(model, decoder, prompt, params)
     assert stats.verify_steps < 0.2 * stats.steps  # a few tries, then plain decode steps
+
+
+def test_probes_are_spaced_out_even_when_many_score_bins_are_untested():
+    """Drafts whose first nodes fall in ten different untested bins, two drafters: without spacing every one of them
+    would be probed at once, a burst of failed verify steps in one stretch of output."""
+    policy = Policy(linear_cost())
+    probes = []
+    for i in range(10 * PROBE_GAP):
+        drafter = "ab"[i % 2]
+        score = (i // 2 % 10 + 0.5) / 10
+        chosen, _ = policy.choose(Draft.chain([1, 2], [score, score * score], drafter=drafter))
+        if chosen is not None:
+            probes.append(i)
+            policy.learn(chosen, [])
+    assert len(probes) >= 5  # the bins are still explored
+    assert all(b - a >= PROBE_GAP for a, b in zip(probes, probes[1:]))
