@@ -222,8 +222,8 @@ void attend_tiled(const std::vector<const float*>& q, const std::vector<float*>&
   }
   for (int64_t i = 0; i < n; ++i) {
     const std::vector<int64_t>& tail = seen[i].tail;
-    accumulate<NV>(p.data() + offset[i] + slot0 - seen[i].first, v, [&tail](int64_t j) { return tail[j]; }, tail.size(), hd,
-                   out[i]);
+    const auto slot = [&tail](int64_t j) { return tail[j]; };
+    accumulate<NV>(p.data() + offset[i] + slot0 - seen[i].first, v, slot, tail.size(), hd, out[i]);
     const __m256 vinv = _mm256_set1_ps(inv[i]);
     for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(out[i] + d, _mm256_mul_ps(_mm256_loadu_ps(out[i] + d), vinv));
   }

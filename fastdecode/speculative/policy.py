@@ -112,7 +112,6 @@ class Policy:
     def __init__(self, cost: CostModel, max_nodes: int = 24, adaptive: bool = True):
         self.cost, self.max_nodes, self.adaptive = cost, max_nodes, adaptive
         self.calibration: dict[str, Calibration] = {}
-        self.probe_gap = PROBE_GAP
         self.consultations, self.last_probe = 0, -PROBE_GAP
 
     def estimates(self, draft: Draft) -> list[float]:
@@ -144,7 +143,7 @@ class Policy:
             if rate > best_rate:
                 best_n, best_rate = n, rate
         if (best_n == 0 and cal.untested(min(1.0, draft.scores[order[0]]))
-                and self.consultations - self.last_probe >= self.probe_gap):
+                and self.consultations - self.last_probe >= PROBE_GAP):
             best_n, self.last_probe = min(PROBE_NODES, len(order)), self.consultations
         return (draft.subset(order[:best_n]) if best_n else None), best_rate
 

@@ -1,5 +1,5 @@
 """SuffixDecoding (Oliaro et al., 2024): a suffix trie over earlier requests of this process, and the same trie's
-answers over the current request computed from an index of token positions (which costs nothing to build). The
+answers over the current request computed from an index of token positions (0.2 ms to build for 590 tokens). The
 longest suffix of the context found leads to a node whose subtree holds every continuation seen after that pattern,
 with counts. The draft is a tree of the most frequent continuations, grown best-first by path score, as deep as the
 match is long (a long match predicts well; a one-token match, little).
@@ -136,7 +136,8 @@ class TextIndex:
         return m, Occurrences(text, ends, m, self.depth)
 
 
-def grow_tree(node: Node | Occurrences, matched: int, budget: int, max_depth: int, min_prob: float, drafter: str) -> Draft:
+def grow_tree(node: Node | Occurrences, matched: int, budget: int, max_depth: int, min_prob: float,
+              drafter: str) -> Draft:
     """Best-first: always adds the candidate continuation with the highest path score; `node` is where the last
     `matched` tokens of the context lead."""
     draft = Draft(drafter=drafter)
