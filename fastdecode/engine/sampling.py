@@ -58,6 +58,14 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+def argmax(logits: torch.Tensor) -> int:
+    """The index of the first largest logit. On a CPU float32 vector NumPy's argmax is vectorised and torch's is not:
+    4 against 70 microseconds over SmolLM2's 49,152 logits, paid once per output token."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return int(logits.numpy().argmax())
+    return int(logits.argmax())
+
+
 class Sampler:
     """Per-request sampling state: the output so far (for penalties and logits processors) and a seeded generator.
 
@@ -68,17 +76,24 @@ class Sampler:
         self.params = params
         self.logits_processor = logits_processor
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # prompt or output, for repetition_penalty
+        # The distinct tokens of prompt and output, for repetition_penalty: penalising them by index touches a few
+        # hundred logits where a mask over the vocabulary touched them all (0.1-0.2 ms a token).
+        self.seen: set[int] = set()
+        self.seen_ids = torch.empty(vocab_size, dtype=torch.long)  # seen_ids[:len(seen)]
         self.counts = torch.zeros(vocab_size, dtype=torch.float32)  # output only, for presence/frequency
         self.output: list[int] = []
         self.logprobs: list[dict] = []  # one entry per accepted token when params.logprobs is set
         if params.repetition_penalty != 1 and prompt_ids:
-            self.seen[torch.tensor(prompt_ids)] = True
+            distinct = torch.unique(torch.tensor(prompt_ids))
+            self.seen_ids[:len(distinct)] = distinct
+            self.seen.update(distinct.tolist())
 
     def accept(self, token: int, logits: torch.Tensor | None = None):
         """Appends a token to the output; `logits` (vocab,), the model's raw logits it was drawn from, records its
         log-probability when asked for."""
-        self.seen[token] = True
+        if self.params.repetition_penalty != 1 and token not in self.seen:
+            self.seen_ids[len(self.seen)] = token
+            self.seen.add(token)
         self.counts[token] += 1
         self.output.append(token)
         if self.params.logprobs is not None and logits is not None:
@@ -99,9 +114,10 @@ class Sampler:
         logits = logits.float()
         if self.logits_processor is not None:
             logits = self.logits_processor(self.output, logits)
-        if p.repetition_penalty != 1:
-            penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-            logits = torch.where(self.seen, penalised, logits)
+        if p.repetition_penalty != 1 and self.seen:
+            ids = self.seen_ids[:len(self.seen)]
+            v = logits[ids]
+            logits = logits.index_put((ids,), torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty))
         if p.presence_penalty or p.frequency_penalty:
             logits = logits - p.presence_penalty * (self.counts > 0) - p.frequency_penalty * self.counts
         if p.greedy:
@@ -130,8 +146,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> int:
         """logits (vocab,) -> next token id."""
         if self.plain_greedy:
-            return int(logits.argmax())
+            return argmax(logits)
         logits = self.process(logits)
         if self.params.greedy:
-            return int(logits.argmax())
+            return argmax(logits)
         return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=self.generator))

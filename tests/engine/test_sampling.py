@@ -68,6 +68,19 @@ def test_repetition_penalty_matches_transformers_rule():
     assert torch.allclose(s.process(logits), ref)
 
 
+def test_repetition_penalty_covers_prompt_and_output_and_leaves_the_input_alone():
+    s = sampler(50, prompt=[3, 3, 7], repetition_penalty=1.5)
+    for t in (7, 11, 11, 20):
+        s.accept(t)
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    seen = torch.zeros(50, dtype=torch.bool)
+    seen[[3, 7, 11, 20]] = True
+    expected = torch.where(seen, torch.where(before > 0, before / 1.5, before * 1.5), before)
+    assert torch.equal(s.process(logits), expected)
+    assert torch.equal(logits, before)  # the model's raw logits are still needed (logprobs, the next draft row)
+
+
 def test_presence_and_frequency_penalties_follow_openai():
     s = sampler(3, presence_penalty=0.5, frequency_penalty=0.25)
     for t in (1, 1, 2):
@@ -89,3 +102,10 @@ def test_penalised_greedy_avoids_repeated_token():
 def test_invalid_parameters_raise_typed_error(kw):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kw)
+
+
+def test_greedy_picks_the_first_of_tied_maxima_as_torch_does():
+    logits = torch.tensor([0.5, 2.0, -1.0, 2.0, 2.0])
+    assert sampler(5, temperature=0).sample(logits) == int(logits.argmax()) == 1
+    assert sampler(5, temperature=0, repetition_penalty=1.2).sample(logits) == 1
+    assert sampler(5, temperature=0).sample(logits.double()) == 1  # other dtypes take torch's argmax
