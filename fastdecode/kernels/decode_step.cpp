@@ -229,25 +229,35 @@ void attend_tiled(const std::vector<const float*>& q, const std::vector<float*>&
   }
 }
 
-// The same for any hd, in plain loops.
-void attend_scalar(const float* q, const float* k, const float* v, const int64_t* slots, int64_t L, int64_t hd,
-                   float scale, float* p, float* out) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < L; ++j) {
-    const float* kj = k + slots[j] * hd;
-    float s = 0.f;
-    for (int64_t d = 0; d < hd; ++d) s += q[d] * kj[d];
-    p[j] = s * scale;
-    mx = std::max(mx, p[j]);
+// The same for any hd, in plain loops, one query at a time.
+void attend_plain(const std::vector<const float*>& q, const std::vector<float*>& out, const std::vector<Visible>& seen,
+                  const float* k, const float* v, int64_t slot0, int64_t hd, float scale) {
+  std::vector<int64_t> slots;
+  std::vector<float> p;
+  for (size_t i = 0; i < q.size(); ++i) {
+    slots.clear();
+    for (int64_t j = seen[i].first; j < slot0; ++j) slots.push_back(j);
+    slots.insert(slots.end(), seen[i].tail.begin(), seen[i].tail.end());
+    const int64_t L = slots.size();
+    p.resize(L);
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < L; ++j) {
+      const float* kj = k + slots[j] * hd;
+      float s = 0.f;
+      for (int64_t d = 0; d < hd; ++d) s += q[i][d] * kj[d];
+      p[j] = s * scale;
+      mx = std::max(mx, p[j]);
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - mx));
+    float* o = out[i];
+    for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
+    for (int64_t j = 0; j < L; ++j) {
+      const float* vj = v + slots[j] * hd;
+      for (int64_t d = 0; d < hd; ++d) o[d] += p[j] * vj[d];
+    }
+    for (int64_t d = 0; d < hd; ++d) o[d] /= sum;
   }
-  float sum = 0.f;
-  for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - mx));
-  for (int64_t d = 0; d < hd; ++d) out[d] = 0.f;
-  for (int64_t j = 0; j < L; ++j) {
-    const float* vj = v + slots[j] * hd;
-    for (int64_t d = 0; d < hd; ++d) out[d] += p[j] * vj[d];
-  }
-  for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
 }
 
 // Queries q (T, H, hd) of the new tokens against the cache k, v (K, S, hd) -> out (T, H, hd). Work items run in
@@ -262,33 +272,21 @@ void attention(const float* q, const float* k, const float* v, int64_t T, int64_
   while (K * runs % threads) ++runs;
   runs = std::min(runs, per_group);
   const auto kernel = hd % 64 == 0 ? attend_tiled<8> : hd % 32 == 0 ? attend_tiled<4> : hd % 16 == 0 ? attend_tiled<2>
-                                                                                        : attend_tiled<1>;
-  at::parallel_for(0, K * runs, (slot0 + T) * hd * T * H >= 16384 ? 1 : K * runs,
-                   [&](int64_t i0, int64_t i1) {
+                      : hd % 8 == 0 ? attend_tiled<1> : attend_plain;
+  at::parallel_for(0, K * runs, (slot0 + T) * hd * T * H >= 16384 ? 1 : K * runs, [&](int64_t i0, int64_t i1) {
     std::vector<const float*> qs;
     std::vector<float*> outs;
     std::vector<Visible> seen;
-    std::vector<float> p;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t g = item / runs, run = item % runs;
       qs.clear(), outs.clear(), seen.clear();
       for (int64_t r = per_group * run / runs; r < per_group * (run + 1) / runs; ++r) {
         const int64_t t = r / group, h = g * group + r % group;
-        if (hd % 8) {  // plain loops, one query at a time
-          const Visible vis = visible_keys(t, T, slot0, positions, mask, window);
-          std::vector<int64_t> slots;
-          for (int64_t j = vis.first; j < slot0; ++j) slots.push_back(j);
-          slots.insert(slots.end(), vis.tail.begin(), vis.tail.end());
-          p.resize(slots.size());
-          attend_scalar(q + (t * H + h) * hd, k + g * S * hd, v + g * S * hd, slots.data(), slots.size(), hd, scale,
-                        p.data(), out + (t * H + h) * hd);
-          continue;
-        }
         qs.push_back(q + (t * H + h) * hd);
         outs.push_back(out + (t * H + h) * hd);
         seen.push_back(visible_keys(t, T, slot0, positions, mask, window));
       }
-      if (!qs.empty()) kernel(qs, outs, seen, k + g * S * hd, v + g * S * hd, slot0, hd, scale);
+      kernel(qs, outs, seen, k + g * S * hd, v + g * S * hd, slot0, hd, scale);
     }
   });
 }
