@@ -85,6 +85,10 @@ def git(*args) -> bytes:
                           check=True).stdout
 
 
+def short_sha(rev: str) -> str:
+    return git("rev-parse", "--short=10", rev).decode().strip()
+
+
 def package_at(rev: str) -> Path:
     """A directory holding the `fastdecode` package as it was at git revision `rev`: put it first on sys.path, before
     anything imports fastdecode, to run that revision's Python (with native_kernels_at(rev) for its kernels)."""
@@ -92,7 +96,7 @@ def package_at(rev: str) -> Path:
     import tarfile
     import tempfile
 
-    sha = git("rev-parse", "--short=10", rev).decode().strip()
+    sha = short_sha(rev)
     top = Path(tempfile.gettempdir()) / f"fastdecode-src-{sha}"
     if not (top / "fastdecode" / "__init__.py").exists():
         with tarfile.open(fileobj=io.BytesIO(git("archive", sha, "fastdecode"))) as tar:
@@ -110,7 +114,7 @@ def native_kernels_at(rev: str):
 
     from fastdecode.kernels import FLAGS, SOURCES
 
-    sha = git("rev-parse", "--short=10", rev).decode().strip()
+    sha = short_sha(rev)
     top = Path(tempfile.gettempdir()) / f"fastdecode-kernels-{sha}"
     (top / "build").mkdir(parents=True, exist_ok=True)
     for name in git("ls-tree", "--name-only", sha, "fastdecode/kernels/").decode().split():

@@ -3,7 +3,7 @@ context. A verify step over n tokens (the last token and n - 1 drafts) emits at 
 verifies n tokens a step is bounded by n t(1) / t(n) (`bound` below), whatever the drafter.
 
     python bench/verify_cost.py                        # writes bench/results/verify_cost.{json,md}
-    python bench/verify_cost.py --baseline ba4a3e5     # the kernels of that revision timed beside the current ones
+    python bench/verify_cost.py --baseline 414072d --contexts 64,600,1500   # beside that revision's kernels
 
 Each t(n) is one forward of the native decode step plus the LM head over n tokens written to cache slots after
 `context` tokens (what the speculator times at start-up). With --baseline, the revision's kernels are built as a
@@ -95,8 +95,8 @@ def main():
     out.with_suffix(".md").write_text(
         f"# Verify-step cost: {a.model} ({a.quant or 'float32'}), {a.threads} threads\n\n`{report['command']}` on "
         f"{m['cpu']} ({m['cores']} cores), {m['date']}, load average at start {m['load_avg_1m_at_start']}.\n\n"
-        f"{a.rounds} rounds, every kernel build and size in every round. `bound`: n t(1) / t(n), the speedup if all n - 1 drafts of "
-        f"every step were accepted.\n\n" + markdown_table(headers, table) + "\n")
+        f"{a.rounds} rounds, every kernel build and size in every round. `bound`: n t(1) / t(n), the speedup if all "
+        f"n - 1 drafts of every step were accepted.\n\n" + markdown_table(headers, table) + "\n")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
 
 
