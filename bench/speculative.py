@@ -5,6 +5,7 @@ llama.cpp's and transformers' prompt lookup, on the same prompts, in one run.
     python bench/speculative.py --quick         # 1 prompt per category, 32 tokens; speculative-quick.*
     python bench/speculative.py --configs none,auto,none@ba4a3e5,auto@ba4a3e5 --peers '' --categories code_edit \
         --per-category 9 --out bench/results/kernels-ab   # beside fastdecode as it was at another revision
+    python bench/speculative.py --configs none,auto --peers '' --repeats 5   # median (min-max) over 5 whole runs
 
 `eagle` and `auto+eagle` use the trained head `make drafter` writes (docs/eagle.md); without it those rows are
 skipped.
@@ -28,7 +29,7 @@ import time
 import traceback
 from pathlib import Path
 
-from common import command_line, machine, markdown_table, write_json
+from common import command_line, fmt, fmt_range, machine, markdown_table, stats, write_json
 
 MODEL = "smollm2-135m"
 OURS = ["none", "ngram", "suffix", "layerskip", "auto"]
@@ -215,6 +216,30 @@ def repeat_share(prompt: list[int], output: list[int], n: int = 4) -> float:
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
+def start_workers(engines, args, warm_up, skipped, progress, console) -> dict:
+    """One worker process per engine, loaded and warmed up; engines that fail to load go to `skipped`."""
+    ctx = mp.get_context("spawn")
+    workers = {}
+    loading = progress.add_task("loading", total=len(engines))
+    for name, config in engines:
+        progress.update(loading, description=f"loading {name} {config}")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=worker, args=(child, name, config, args.model, args.threads, args.quant),
+                           daemon=True)
+        proc.start()
+        msg = receive(parent, proc)
+        if msg.get("ready"):
+            workers[(name, config)] = (proc, parent)
+            parent.send((warm_up, 16, 1.0))  # not a timed prompt: the suffix drafter would remember it
+            receive(parent, proc)
+        else:
+            skipped[(name, config)] = msg.get("skipped") or msg.get("error")
+            console.print(f"[yellow]skipping {name} {config}: {skipped[(name, config)]}")
+        progress.advance(loading)
+    progress.remove_task(loading)
+    return workers
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=MODEL)
@@ -227,6 +252,8 @@ def main(argv=None):
     p.add_argument("--categories", default="", help="comma-separated workload categories (default: all)")
     p.add_argument("--peers", default=",".join(PEERS), help="peer engines, or '' for none")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run everything this many times, each with fresh workers; tables show median (min-max)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -253,42 +280,30 @@ def main(argv=None):
     warm_up = tok.encode("Hello! Which day of the week is it today?")
     engines = [("fastdecode", c) for c in args.configs.split(",") if c]
     engines += [(e, e) for e in args.peers.split(",") if e]
-    ctx = mp.get_context("spawn")
-    workers, results, skipped = {}, {e: [] for e in engines}, {}
+    results, skipped = {e: [] for e in engines}, {}
     with Progress(console=console) as progress:
-        loading = progress.add_task("loading", total=len(engines))
-        for name, config in engines:
-            progress.update(loading, description=f"loading {name} {config}")
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker, args=(child, name, config, args.model, args.threads, args.quant),
-                               daemon=True)
-            proc.start()
-            msg = receive(parent, proc)
-            if msg.get("ready"):
-                workers[(name, config)] = (proc, parent)
-                parent.send((warm_up, 16, 1.0))  # not a timed prompt: the suffix drafter would remember it
-                receive(parent, proc)
-            else:
-                skipped[(name, config)] = msg.get("skipped") or msg.get("error")
-                console.print(f"[yellow]skipping {name} {config}: {skipped[(name, config)]}")
-            progress.advance(loading)
-        timing = progress.add_task("timing", total=len(items) * len(workers))
-        for item in items:  # round-robin: every engine on this prompt, then the next prompt
-            for key, (proc, conn) in list(workers.items()):
-                progress.update(timing, description=f"{item['id']}: {key[1]}")
-                conn.send((item["ids"], item["max_tokens"], item["penalty"]))
-                r = receive(conn, proc)
-                if "error" in r:
-                    skipped[key] = r["error"]
-                    console.print(f"[red]{key} failed: {r['error']}")
-                    workers.pop(key)
-                    proc.kill()
-                else:
-                    results[key].append({**r, "item": item})
-                progress.advance(timing)
-        for proc, conn in workers.values():
-            conn.send(None)
-            proc.join(timeout=10)
+        timing = progress.add_task("timing", total=args.repeats * len(items) * len(engines))
+        for repeat in range(args.repeats):
+            # Fresh workers every repeat: the suffix drafter remembers the earlier requests of its process, and a
+            # prompt's own output from the previous repeat would flatter it.
+            workers = start_workers([e for e in engines if e not in skipped], args, warm_up, skipped, progress,
+                                    console)
+            for item in items:  # round-robin: every engine on this prompt, then the next prompt
+                for key, (proc, conn) in list(workers.items()):
+                    progress.update(timing, description=f"run {repeat + 1}/{args.repeats} {item['id']}: {key[1]}")
+                    conn.send((item["ids"], item["max_tokens"], item["penalty"]))
+                    r = receive(conn, proc)
+                    if "error" in r:
+                        skipped[key] = r["error"]
+                        console.print(f"[red]{key} failed: {r['error']}")
+                        workers.pop(key)
+                        proc.kill()
+                    else:
+                        results[key].append({**r, "item": item, "repeat": repeat})
+                    progress.advance(timing)
+            for proc, conn in workers.values():
+                conn.send(None)
+                proc.join(timeout=10)
     report = summarize(args, host, engines, items, results, skipped)
     stem = "speculative-quick" if args.quick else "speculative"
     write_json(args.out / f"{stem}.json", report)
@@ -299,30 +314,50 @@ def main(argv=None):
 
 
 def summarize(args, host, engines, items, results, skipped) -> dict:
+    """Per engine and category. Speeds and their ratios to plain are taken per repeat (each against the plain decode
+    of the same repeat) and shown as min/median/max over repeats; draft statistics are pooled over all of them."""
     from fastdecode.workloads import CATEGORIES
 
     plain_of = {"fastdecode": ("fastdecode", "none"), "llama.cpp": ("llama.cpp", "llama.cpp"),
                 "transformers": ("transformers", "transformers")}
+    ours_plain = ("fastdecode", "none")
+
+    def speeds(runs) -> dict:
+        """repeat -> (mean tok/s, floor) of that repeat's runs."""
+        by_repeat = {}
+        for r in runs:
+            by_repeat.setdefault(r["repeat"], []).append(r)
+        out = {}
+        for repeat, group in by_repeat.items():
+            tok_s = [s for r in group if (s := output_tok_s(r["times"])) is not None]
+            out[repeat] = (statistics.mean(tok_s) if tok_s else None,
+                           percentile([w for r in group for w in window_speeds(r["times"])], 0.05))
+        return out
+
+    def ratios(values: dict, bases: dict, i: int) -> dict:
+        return stats([v[i] / bases[k][i] for k, v in values.items() if k in bases and v[i] and bases[k][i]])
+
     rows = []
     for key in engines:
         name, config = key
         if key in skipped and not results[key]:
             rows.append({"engine": name, "config": config, "skipped": skipped[key]})
             continue
-        base = plain_of[name.split("+")[0]]
-        plain = {r["item"]["id"]: r for r in results.get(base, [])}
+        plain = {(r["item"]["id"], r["repeat"]): r for r in results.get(plain_of[name.split("+")[0]], [])}
         per_category = {}
         for category in CATEGORIES:
             runs = [r for r in results[key] if r["item"]["category"] == category]
             if not runs:
                 continue
-            speeds = [s for r in runs if (s := output_tok_s(r["times"])) is not None]
-            windows = [w for r in runs for w in window_speeds(r["times"])]
+            measured = speeds(runs)
+            base = speeds([r for r in results.get(ours_plain, []) if r["item"]["category"] == category])
             spec = [r["speculation"] for r in runs if r.get("speculation")]
-            same = [r["tokens"] == plain[r["item"]["id"]]["tokens"] for r in runs if r["item"]["id"] in plain]
+            same = [r["tokens"] == plain[k]["tokens"] for r in runs if (k := (r["item"]["id"], r["repeat"])) in plain]
             per_category[category] = {
-                "prompts": len(runs), "mean_tok_s": statistics.mean(speeds) if speeds else None,
-                "speeds": speeds, "floor_tok_s": percentile(windows, 0.05),
+                "prompts": len({r["item"]["id"] for r in runs}), "repeats": len(measured),
+                "mean_tok_s": stats([v[0] for v in measured.values() if v[0]]),
+                "floor_tok_s": stats([v[1] for v in measured.values() if v[1]]),
+                "speedup_mean": ratios(measured, base, 0), "speedup_floor": ratios(measured, base, 1),
                 "repeat_share": statistics.mean(repeat_share(r["item"]["ids"], r["tokens"]) for r in runs),
                 "mean_accepted_length": (sum(s["accepted"] for s in spec) / max(1, sum(s["verify_steps"]
                                                                                      for s in spec))) if spec else None,
@@ -334,25 +369,13 @@ def summarize(args, host, engines, items, results, skipped) -> dict:
                 "identical_to_own_plain": f"{sum(same)}/{len(same)}" if same else None,
             }
         rows.append({"engine": name, "config": config, "categories": per_category})
-    ours_plain = next((r for r in rows if r["engine"] == "fastdecode" and r["config"] == "none"
-                       and "categories" in r), None)
-    for r in rows:
-        for category, c in r.get("categories", {}).items():
-            base = ours_plain["categories"].get(category) if ours_plain else None
-            if base and base["mean_tok_s"] and c["mean_tok_s"]:
-                c["speedup_mean"] = c["mean_tok_s"] / base["mean_tok_s"]
-                c["speedup_floor"] = (c["floor_tok_s"] / base["floor_tok_s"]
-                                      if c["floor_tok_s"] and base["floor_tok_s"] else None)
     return {"model": args.model, "quant": args.quant, "threads": args.threads, "per_category": args.per_category,
-            "max_tokens": args.max_tokens, "low_overlap_repetition_penalty": LOW_OVERLAP_PENALTY,
-            "floor_window_tokens": WINDOW, "peer_lookup_tokens": LOOKUP_TOKENS, "machine": host,
-            "command": command_line(), "rows": rows}
+            "repeats": args.repeats, "max_tokens": args.max_tokens,
+            "low_overlap_repetition_penalty": LOW_OVERLAP_PENALTY, "floor_window_tokens": WINDOW,
+            "peer_lookup_tokens": LOOKUP_TOKENS, "machine": host, "command": command_line(), "rows": rows}
 
 
 def render(report: dict) -> str:
-    def f(v, spec=".1f"):
-        return "-" if v is None else format(v, spec)
-
     headers = ["engine", "config", "category", "mean tok/s", "floor tok/s", "x plain (mean)", "x plain (floor)",
                "accepted/verify", "tokens/forward", "repeat share", "= own plain"]
     cells = []
@@ -361,15 +384,19 @@ def render(report: dict) -> str:
             cells.append([r["engine"], r["config"], "-", "skipped: " + r["skipped"][:60]] + ["-"] * 7)
             continue
         for category, c in r["categories"].items():
-            cells.append([r["engine"], r["config"], category, f(c["mean_tok_s"]), f(c["floor_tok_s"]),
-                          f(c.get("speedup_mean"), ".2f"), f(c.get("speedup_floor"), ".2f"),
-                          f(c["mean_accepted_length"], ".2f"), f(c["tokens_per_forward"], ".2f"),
-                          f(c["repeat_share"], ".2f"), c["identical_to_own_plain"] or "-"])
+            cells.append([r["engine"], r["config"], category, fmt_range(c["mean_tok_s"]), fmt_range(c["floor_tok_s"]),
+                          fmt_range(c["speedup_mean"], ".2f"), fmt_range(c["speedup_floor"], ".2f"),
+                          fmt(c["mean_accepted_length"], ".2f"), fmt(c["tokens_per_forward"], ".2f"),
+                          fmt(c["repeat_share"], ".2f"), c["identical_to_own_plain"] or "-"])
     m = report["machine"]
+    repeats = report.get("repeats", 1)
+    runs = (f"everything run {repeats} times, each time with fresh workers; speeds and ratios are median (min-max) "
+            "over those runs, each ratio taken within its run; " if repeats > 1 else "")
     notes = [f"# Speculative decoding: {report['model']} ({report['quant'] or 'float32'}), {report['threads']} threads",
              "", f"`{report['command']}` on {m['cpu']} ({m['cores']} cores), {m['date']}, load average at start "
              f"{m['load_avg_1m_at_start']}.", "",
              f"{report['per_category']} prompts per category, up to {report['max_tokens']} tokens each, greedy; "
+             f"{runs}"
              f"low_overlap with repetition penalty {report['low_overlap_repetition_penalty']} in every engine. "
              f"Floor: 5th percentile of tok/s over sliding {report['floor_window_tokens']}-token windows. "
              "`x plain`: against fastdecode's plain decode (`none`) in the same run. Peers' prompt lookup drafts "
