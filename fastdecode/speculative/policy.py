@@ -5,8 +5,8 @@ A verify step over n draft nodes costs t(1 + n) seconds (measured at start-up: o
 slowly with n, on a compute-bound one fast) and emits 1 + (expected accepted nodes) tokens. A node is accepted when
 its parent is and the target agrees with it there: that conditional chance is calibrated online per drafter against
 its conditional score (node score / parent score, in bins) from the nodes whose parent was accepted, and a node's
-chance is the product along its path. The step takes the n with the most tokens per second; when drafts are poor
-that is n = 0, plain decoding, so speculation never costs more than a proposal lookup -- except for a short probe
+chance is the product along its path. The step takes the n with the most tokens per second if it beats plain decoding by MARGIN;
+when drafts are poor that is n = 0, plain decoding, so speculation never costs more than a proposal lookup -- except for a short probe
 when a draft's first node falls in a score bin with (almost) no evidence: untested scores start pessimistic, and
 without a probe a drafter that was never verified would never be (a fresh process would not speculate at all).
 Evidence fades, so on text where drafts fail a bin is probed again about every 70 consultations; probes are spaced
@@ -23,6 +23,8 @@ from fastdecode.speculative.draft import Draft
 BINS = 10
 PROBE_NODES = 1  # a probe verifies the draft's most likely node: one acceptance is evidence enough to go on
 PROBE_BELOW = 0.5  # tries (decayed) under which a bin counts as untested
+MARGIN = 0.1  # a draft must promise this much more than plain decoding: one whose gain is within the estimates' error
+# adds variance (a run of rejections is a slow window, which the floor reads) for a mean gain of a few percent
 PROBE_GAP = 24  # consultations from one probe to the next: on text where drafts fail, untested bins (every drafter's,
 # each coming due again as its evidence fades) would otherwise be probed in bursts, up to 7 failed probes in one
 # 32-token window, which is what the floor reads
@@ -109,8 +111,8 @@ def conditional_scores(draft: Draft) -> list[float]:
 
 
 class Policy:
-    def __init__(self, cost: CostModel, max_nodes: int = 24, adaptive: bool = True):
-        self.cost, self.max_nodes, self.adaptive = cost, max_nodes, adaptive
+    def __init__(self, cost: CostModel, max_nodes: int = 24, adaptive: bool = True, margin: float = MARGIN):
+        self.cost, self.max_nodes, self.adaptive, self.margin = cost, max_nodes, adaptive, margin
         self.calibration: dict[str, Calibration] = {}
         self.consultations, self.last_probe = 0, -PROBE_GAP
 
@@ -136,12 +138,13 @@ class Policy:
         # Parents first: a child's estimate is at most its parent's, ties go to the lower index (parents come first),
         # so order[0] hangs under the root and its score is its conditional score.
         order = sorted(range(len(draft)), key=lambda i: (-est[i], i))[:self.max_nodes]
-        best_n, best_rate, expected = 0, plain, 1.0
+        best_n, best_rate, expected = 0, plain * (1 + self.margin), 1.0
         for n, i in enumerate(order, start=1):
             expected += est[i]
             rate = expected / (self.cost(1 + n) + draft_seconds)
             if rate > best_rate:
                 best_n, best_rate = n, rate
+        best_rate = best_rate if best_n else plain
         if (best_n == 0 and cal.untested(min(1.0, draft.scores[order[0]]))
                 and self.consultations - self.last_probe >= PROBE_GAP):
             best_n, self.last_probe = min(PROBE_NODES, len(order)), self.consultations

@@ -4,7 +4,7 @@ import pytest
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.kernels import native_ops
 from fastdecode.speculative.draft import Draft
-from fastdecode.speculative.policy import PROBE_GAP, PROBE_NODES, CostModel, Policy
+from fastdecode.speculative.policy import MARGIN, PROBE_GAP, PROBE_NODES, CostModel, Policy
 from tests.speculative.helpers import plain_tokens, speculative_tokens, tiny_target
 from fastdecode.speculative.drafter import Drafter
 
@@ -41,6 +41,23 @@ def test_confident_drafts_are_verified_and_poor_ones_are_not():
         policy.learn(chain, [])
     chosen, rate = policy.choose(chain)
     assert chosen is None and rate == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("accept_rate, verified", [(0.6, False), (0.8, True)])
+def test_a_draft_must_beat_plain_decoding_by_the_margin(accept_rate, verified):
+    """A one-node draft costs 1.5 steps here, so it pays from an acceptance of 0.5 on; within the margin (0.6 promises
+    1.07x plain) it is left alone, above it (0.8: 1.2x) verified."""
+    assert MARGIN == pytest.approx(0.1)
+    policy = Policy(linear_cost())
+    node = Draft.chain([7], [0.99], drafter="d")
+    for i in range(500):
+        policy.learn(node, [0] if i % 10 < 10 * accept_rate else [])
+    chosen, rate = policy.choose(node)
+    assert (chosen is not None) == verified
+    assert rate == pytest.approx((1 + accept_rate) / 1.5, abs=0.03) if verified else rate == pytest.approx(1.0)
+    trained_without_margin = Policy(linear_cost(), margin=0.0)
+    trained_without_margin.calibration = policy.calibration
+    assert trained_without_margin.choose(node)[0] is not None  # both gain over plain decoding, by 7% and by 20%
 
 
 def test_only_nodes_whose_parent_was_accepted_count_as_tries():
