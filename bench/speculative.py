@@ -337,6 +337,8 @@ def summarize(args, host, engines, items, results, skipped) -> dict:
     def ratios(values: dict, bases: dict, i: int) -> dict:
         return stats([v[i] / bases[k][i] for k, v in values.items() if k in bases and v[i] and bases[k][i]])
 
+    base = {category: speeds([r for r in results.get(ours_plain, []) if r["item"]["category"] == category])
+            for category in CATEGORIES}
     rows = []
     for key in engines:
         name, config = key
@@ -350,14 +352,14 @@ def summarize(args, host, engines, items, results, skipped) -> dict:
             if not runs:
                 continue
             measured = speeds(runs)
-            base = speeds([r for r in results.get(ours_plain, []) if r["item"]["category"] == category])
             spec = [r["speculation"] for r in runs if r.get("speculation")]
             same = [r["tokens"] == plain[k]["tokens"] for r in runs if (k := (r["item"]["id"], r["repeat"])) in plain]
             per_category[category] = {
                 "prompts": len({r["item"]["id"] for r in runs}), "repeats": len(measured),
                 "mean_tok_s": stats([v[0] for v in measured.values() if v[0]]),
                 "floor_tok_s": stats([v[1] for v in measured.values() if v[1]]),
-                "speedup_mean": ratios(measured, base, 0), "speedup_floor": ratios(measured, base, 1),
+                "speedup_mean": ratios(measured, base[category], 0),
+                "speedup_floor": ratios(measured, base[category], 1),
                 "repeat_share": statistics.mean(repeat_share(r["item"]["ids"], r["tokens"]) for r in runs),
                 "mean_accepted_length": (sum(s["accepted"] for s in spec) / max(1, sum(s["verify_steps"]
                                                                                      for s in spec))) if spec else None,

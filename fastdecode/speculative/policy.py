@@ -5,10 +5,11 @@ A verify step over n draft nodes costs t(1 + n) seconds (measured at start-up: o
 slowly with n, on a compute-bound one fast) and emits 1 + (expected accepted nodes) tokens. A node is accepted when
 its parent is and the target agrees with it there: that conditional chance is calibrated online per drafter against
 its conditional score (node score / parent score, in bins) from the nodes whose parent was accepted, and a node's
-chance is the product along its path. The step takes the n with the most tokens per second if it beats plain decoding by MARGIN;
-when drafts are poor that is n = 0, plain decoding, so speculation never costs more than a proposal lookup -- except for a short probe
-when a draft's first node falls in a score bin with (almost) no evidence: untested scores start pessimistic, and
-without a probe a drafter that was never verified would never be (a fresh process would not speculate at all).
+chance is the product along its path. The step takes the n with the most tokens per second, if that beats plain
+decoding by MARGIN; when drafts are poor it is n = 0, plain decoding, so speculation never costs more than a proposal
+lookup -- except for a short probe when a draft's first node falls in a score bin with (almost) no evidence: untested
+scores start pessimistic, and without a probe a drafter that was never verified would never be (a fresh process
+would not speculate at all).
 Evidence fades, so on text where drafts fail a bin is probed again about every 70 consultations; probes are spaced
 PROBE_GAP consultations apart at least.
 """
@@ -138,13 +139,12 @@ class Policy:
         # Parents first: a child's estimate is at most its parent's, ties go to the lower index (parents come first),
         # so order[0] hangs under the root and its score is its conditional score.
         order = sorted(range(len(draft)), key=lambda i: (-est[i], i))[:self.max_nodes]
-        best_n, best_rate, expected = 0, plain * (1 + self.margin), 1.0
+        best_n, best_rate, expected = 0, plain, 1.0
         for n, i in enumerate(order, start=1):
             expected += est[i]
             rate = expected / (self.cost(1 + n) + draft_seconds)
-            if rate > best_rate:
+            if rate > max(best_rate, plain * (1 + self.margin)):
                 best_n, best_rate = n, rate
-        best_rate = best_rate if best_n else plain
         if (best_n == 0 and cal.untested(min(1.0, draft.scores[order[0]]))
                 and self.consultations - self.last_probe >= PROBE_GAP):
             best_n, self.last_probe = min(PROBE_NODES, len(order)), self.consultations
