@@ -116,7 +116,7 @@ class Fastdecode:
         self.weight_bytes = self.llm.weight_bytes_per_token()
         self.kv_bytes_per_position = self.llm.kv_bytes_per_token(1)
         # Which code decodes: the C++ whole-model step where the format allows it, else PyTorch's forward.
-        self.decode_path = "native" if getattr(self.llm, "decoder", None) is not None else "pytorch"
+        self.decode_path = self.llm.decode_path
 
     def run(self, prompt_ids, tokens):
         c = self.llm.generate(prompt_ids, self.params(max_tokens=tokens, temperature=0.0, ignore_eos=True))

@@ -39,6 +39,13 @@ def model_options(f):
         click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Tensor-parallel ranks, one process each: `torchrun --nproc-per-node N -m fastdecode ... "
                           "--tp N` (docs/parallel.md)."),
+        click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+                     help="Requests the engine runs at once (continuous batching); more wait in the queue."),
+        click.option("--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="KV-cache size (default: room for --max-batch full-length requests, at most a quarter of "
+                          "the free memory and 8 GiB)."),
+        click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+                     help="Reuse the keys and values of a prompt's longest cached prefix (automatic prefix caching)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -63,17 +70,27 @@ def sampling_options(f):
     return f
 
 
-def build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate="none", tp=1):
+MODEL_KEYS = ("model", "dtype", "quant", "group_size", "threads", "max_seq_len", "speculate", "tp", "max_batch",
+              "kv_cache_gb", "prefix_cache")  # model_options' parameters
+
+
+def build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate="none", tp=1, max_batch=8,
+              kv_cache_gb=None, prefix_cache=True):
     from fastdecode.engine.llm import LLM
 
-    make = LLM
+    make, engine = LLM, dict(max_batch=max_batch, kv_cache_gb=kv_cache_gb, prefix_cache=prefix_cache)
     if tp > 1:
         from fastdecode.parallel.cli import build_parallel_llm
-        make = functools.partial(build_parallel_llm, tp)  # on ranks > 0: follows rank 0, then exits
+        make, engine = functools.partial(build_parallel_llm, tp), {}  # ranks > 0 follow rank 0, then exit
     return make(model, dtype=dtype, quant=None if quant == "none" else quant, group_size=group_size,
                 threads=threads, max_seq_len=max_seq_len, speculate=speculate,
                 progress=lambda items: track(items, description="loading weights", console=err, transient=True),
-                log=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+                log=lambda msg: err.print(f"[dim]{msg}[/dim]"), **engine)
+
+
+def model_kwargs(kw: dict) -> dict:
+    """Takes model_options' values out of a command's keyword arguments."""
+    return {k: kw.pop(k) for k in MODEL_KEYS}
 
 
 def sampling_params(kw) -> SamplingParams:
@@ -84,7 +101,8 @@ def sampling_params(kw) -> SamplingParams:
 
 
 def speed_line(t: Timings, speculation: dict | None = None) -> str:
-    line = (f"{t.output_tokens} tokens | TTFT {t.ttft_s * 1000:.0f} ms | prefill {t.prompt_tokens} tok at "
+    cached = f" ({t.cached_tokens} cached)" if t.cached_tokens else ""
+    line = (f"{t.output_tokens} tokens | TTFT {t.ttft_s * 1000:.0f} ms | prefill {t.prompt_tokens} tok{cached} at "
             f"{t.prefill_tok_s:.0f} tok/s | decode {t.output_tok_s:.1f} tok/s")
     if speculation:
         s = speculation
@@ -112,13 +130,13 @@ def stream_to_stdout(chunks):
 @click.option("--system", default=None, help="System message (with --chat).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--speed-table", is_flag=True, help="After the answer, a table of speeds against this machine's roofline.")
-def generate(model, dtype, quant, group_size, threads, max_seq_len, speculate, tp, prompt, as_chat, system, as_json,
-             speed_table, **kw):
+def generate(prompt, as_chat, system, as_json, speed_table, **kw):
     """Generate a completion for one prompt, streaming it, then print a line of speed figures."""
+    engine = model_kwargs(kw)
     params = sampling_params(kw)
     if prompt == "-":
         prompt = sys.stdin.read()
-    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate, tp)
+    llm = build_llm(**engine)
     if as_chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         prompt_ids = llm.chat_prompt(messages)
@@ -126,7 +144,7 @@ def generate(model, dtype, quant, group_size, threads, max_seq_len, speculate, t
         prompt_ids = llm.encode_prompt(prompt)
     if as_json:
         completion = llm.generate(prompt_ids, params)
-        out = {"model": model, "dtype": dtype, "quant": quant, **completion.as_dict()}
+        out = {k: engine[k] for k in ("model", "dtype", "quant")} | completion.as_dict()
         click.echo(json.dumps(out))
         return
     completion = stream_to_stdout(llm.stream(prompt_ids, params))
@@ -145,7 +163,8 @@ def speed_report(llm, t: Timings) -> Table:
     bandwidth = probe["working_set_gb_s"] * 1e9
     ceiling = bandwidth / per_token
     table = Table(title=f"{llm.name} | {llm.dtype}{'' if not llm.quant else ' + ' + llm.quant} | "
-                        f"{'native C++ decode' if llm.decoder else 'PyTorch decode'} | {torch.get_num_threads()} threads")
+                        f"{'native C++ decode' if llm.decode_path == 'native' else 'PyTorch decode'} | "
+                        f"{torch.get_num_threads()} threads")
     table.add_column("measure")
     table.add_column("value", justify="right")
     for name, value in [
@@ -165,10 +184,11 @@ def speed_report(llm, t: Timings) -> Table:
 @model_options
 @sampling_options
 @click.option("--system", default=None, help="System message.")
-def chat(model, dtype, quant, group_size, threads, max_seq_len, speculate, tp, system, **kw):
-    """Interactive chat with streaming output. /reset clears the conversation, /exit quits."""
+def chat(system, **kw):
+    """Interactive chat with streaming output (each turn reuses the conversation's cached prefix). /reset clears the
+    conversation, /exit quits."""
+    llm = build_llm(**model_kwargs(kw))
     params = sampling_params(kw)
-    llm = build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate, tp)
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     err.print(f"[dim]{llm.name}: /reset clears the conversation, /exit quits[/dim]")

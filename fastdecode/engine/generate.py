@@ -19,10 +19,12 @@ class Timings:
     ttft_s: float = 0.0  # request start -> first output token sampled (includes prefill)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # first output token -> last output token
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+        """Prompt tokens computed (not found in the prefix cache) per second."""
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def output_tok_s(self) -> float:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -10,13 +9,18 @@ import torch
 from torch import nn
 
 from fastdecode.engine.detokenize import IncrementalDetokenizer
+from fastdecode.engine.engine import Engine
 from fastdecode.engine.generate import Timings, generate_tokens
+from fastdecode.engine.kv_cache import BLOCK_SIZE, KVCache
 from fastdecode.engine.sampling import Sampler, SamplingParams
+from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.errors import InvalidRequestError
 from fastdecode.kernels.decoder import native_decoder
 from fastdecode.loading import load_model, load_tokenizer
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
+from fastdecode.runners import build_runner
 from fastdecode.speculative import build_speculator
+from fastdecode.speculative.batch import COST_SIZES, MODEL_FREE, BatchSpeculator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,11 +51,32 @@ class StreamChunk:
     completion: Completion | None = None  # set on the last chunk
 
 
+def default_kv_tokens(config, max_seq_len: int, max_batch: int, dtype: torch.dtype) -> int:
+    """KV-cache slots when none are asked for: room for max_batch full-length sequences, capped at a quarter of the
+    memory available now (and 8 GiB), but never less than one full-length sequence and a batch of prompts' ends."""
+    per_token = KVCache.bytes_per_token(config, dtype)
+    cap = min(8 << 30, available_memory() // 4) // per_token
+    return max(min(max_batch * max_seq_len, cap), max_seq_len + max_batch * BLOCK_SIZE)
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 8 << 30
+
+
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", quant: str | None = None,
                  group_size: int = 32, threads: int | None = None, max_seq_len: int = 4096, native: bool = True,
-                 speculate: str = "none", progress=None, log=lambda *a: None, load=load_model):
-        """`load(path, dtype, progress) -> model` builds the model (tensor parallelism passes its shard loader)."""
+                 speculate: str = "none", progress=None, log=lambda *a: None, load=load_model,
+                 max_batch: int = 8, kv_cache_gb: float | None = None, prefix_cache: bool = True,
+                 engine: bool = True, scheduler: SchedulerConfig | None = None):
+        """`load(path, dtype, progress) -> model` builds the model (tensor parallelism passes its shard loader and
+        engine=False: its ranks run the single-request loop over the model's static cache, as do the drafters that
+        run a model, `--speculate layerskip|draft:MODEL|eagle`). Everything else runs on the serving engine."""
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         if threads:
@@ -67,11 +92,44 @@ class LLM:
             from fastdecode.quant import quantize_model
             quantize_model(self.model, quant, group_size=group_size)
         self.max_seq_len = min(max_seq_len, self.config.max_position_embeddings)
-        self.model.setup_cache(self.max_seq_len)
-        self.decoder = native_decoder(self.model) if native else None  # None: PyTorch's forward decodes
-        self.lock = threading.Lock()  # one request at a time owns the KV cache
         self.speculate = speculate
-        self.speculator = build_speculator(speculate, self, log=log)  # None: plain decode
+        self.engine = self.decoder = self.speculator = None
+        if engine and speculate in (None, "", "none", *MODEL_FREE):
+            self._build_engine(native, max_batch, kv_cache_gb, prefix_cache, scheduler or SchedulerConfig())
+        else:
+            self.model.setup_cache(self.max_seq_len)
+            self.decoder = native_decoder(self.model) if native else None  # None: PyTorch's forward decodes
+            self.lock = threading.Lock()  # one request at a time owns the static cache
+            self.speculator = build_speculator(speculate, self, log=log)  # None: plain decode
+
+    def _build_engine(self, native: bool, max_batch: int, kv_cache_gb: float | None, prefix_cache: bool,
+                      scheduler: SchedulerConfig):
+        kv_dtype = self.model.embed_tokens.weight.dtype
+        per_token = KVCache.bytes_per_token(self.config, kv_dtype)
+        tokens = (int(kv_cache_gb * 1e9) // per_token if kv_cache_gb
+                  else default_kv_tokens(self.config, self.max_seq_len, max_batch, kv_dtype))
+        if tokens < self.max_seq_len:
+            raise InvalidRequestError(f"a KV cache of {kv_cache_gb} GB holds {tokens} tokens, fewer than one "
+                                      f"sequence of --max-seq-len {self.max_seq_len}")
+        self.model.setup_rope(self.max_seq_len)
+        kv = KVCache.for_model(self.config, tokens, kv_dtype, self.model.embed_tokens.weight.device)
+        self.runner = build_runner(self.model, kv, native)
+        scheduler.max_batch, scheduler.prefix_cache = max_batch, prefix_cache
+        self.engine = Engine(self.model, kv, self.runner, self.max_seq_len, scheduler)
+        if self.speculate not in (None, "", "none"):
+            self.engine.speculator = self.engine.scheduler.speculator = BatchSpeculator.build(
+                self.speculate, self.engine.measure_cost(COST_SIZES))
+
+    @property
+    def decode_path(self) -> str:
+        """"native" (the C++ step) or "pytorch"."""
+        if self.engine is not None:
+            return self.runner.name
+        return "native" if self.decoder is not None else "pytorch"
+
+    @property
+    def kv(self) -> KVCache | None:
+        return self.engine.kv if self.engine is not None else None
 
     # ---- prompts -----------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -85,10 +143,12 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- generation --------------------------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-               logits_processor=None) -> Iterator[StreamChunk]:
-        """Yields a chunk per output token and a last chunk carrying the Completion. `logits_processor`: see Sampler.
-        Closing the iterator early (a client went away) ends the request and frees the cache."""
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, logits_processor=None,
+               salt: str = "", tenant: str | None = "") -> Iterator[StreamChunk]:
+        """Submits the request at once and returns an iterator of chunks: one per output token and a last one
+        carrying the Completion. `logits_processor`: see Sampler. `salt` keeps prefix-cache sharing within a
+        namespace; `tenant` does the same for the drafters' memory of earlier requests (None: no memory shared).
+        Closing the iterator early (a client went away) ends the request and frees its cache blocks."""
         params = params or SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
@@ -96,8 +156,31 @@ class LLM:
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
                 f"of {self.max_seq_len} tokens")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-        timings, output, finish, stats = Timings(), [], "length", None
+        if self.engine is None:
+            return self._chunks(self._single_request(prompt_ids, params, logits_processor, stop_ids), prompt_ids,
+                                params, stop_ids)
+        seq = self.engine.add_request(prompt_ids, params, logits_processor, stop_ids, salt, tenant)
+        return self._chunks(self._engine_tokens(seq), prompt_ids, params, stop_ids)
+
+    def _engine_tokens(self, seq):
+        """Yields (token, sampler, timings, stats) as the engine posts them; aborts the request if closed early."""
+        stats = lambda: seq.speculation.stats if seq.speculation is not None else None  # noqa: E731
+        try:
+            while True:
+                kind, value = seq.outbox.get()
+                if kind == "error":
+                    raise value
+                if kind == "finished":
+                    return
+                for token in value:
+                    yield token, seq.sampler, seq.timings, stats()
+        finally:
+            if not seq.finished:
+                self.engine.abort(seq)
+
+    def _single_request(self, prompt_ids, params, logits_processor, stop_ids):
+        """The single-request loop over the model's static cache (tensor parallelism, model drafters)."""
+        timings, stats = Timings(), None
         with self.lock:
             sampler = Sampler(params, self.config.vocab_size, prompt_ids, logits_processor)
             if self.speculator is not None and params.max_tokens > 1:
@@ -106,12 +189,20 @@ class LLM:
             else:
                 tokens = generate_tokens(self.model, prompt_ids, sampler, params.max_tokens, stop_ids, timings,
                                          self.decoder)
-            for i, token in enumerate(tokens):
+            for token in tokens:
+                yield token, sampler, timings, stats
+
+    def _chunks(self, tokens, prompt_ids, params, stop_ids) -> Iterator[StreamChunk]:
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        output, finish = [], "length"
+        sampler = timings = stats = None
+        try:
+            for token, sampler, timings, stats in tokens:
                 if token in stop_ids:
                     finish = "stop"
                     break
                 output.append(token)
-                logprobs = sampler.logprobs[i:i + 1] if params.logprobs is not None else None
+                logprobs = sampler.logprobs[len(output) - 1:len(output)] if params.logprobs is not None else None
                 delta = detok.add(token)
                 if detok.stopped:
                     finish = "stop"
@@ -119,25 +210,38 @@ class LLM:
                         yield StreamChunk(delta, [token], logprobs)
                     break
                 yield StreamChunk(delta, [token], logprobs)
+        finally:
+            tokens.close()  # ends the request: the engine frees its blocks, the single-request loop its lock
         tail = "" if detok.stopped else detok.flush()
-        completion = Completion(detok.text, output, prompt_ids, finish, timings,
+        completion = Completion(detok.text, output, prompt_ids, finish, timings or Timings(),
                                 stats.as_dict() if stats is not None else None,
                                 sampler.logprobs[:len(output)] if params.logprobs is not None else None)
         yield StreamChunk(tail, [], None, completion)
 
     def generate(self, prompts: str | list[int] | list[str], params: SamplingParams | None = None):
-        """One prompt (text or token ids) -> Completion; a list of text prompts -> list of Completion."""
+        """One prompt (text or token ids) -> Completion; a list of text prompts -> list of Completion (submitted
+        together: the engine batches them)."""
         if isinstance(prompts, list) and prompts and isinstance(prompts[0], str):
-            return [self.generate(p, params) for p in prompts]
-        *_, last = self.stream(prompts, params)
+            streams = [self.stream(p, params) for p in prompts]
+            return [self._last(s) for s in streams]
+        return self._last(self.stream(prompts, params))
+
+    @staticmethod
+    def _last(stream) -> Completion:
+        *_, last = stream
         return last.completion
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, tools=None) -> Completion:
         return self.generate(self.chat_prompt(messages, tools), params)
 
     def chat_stream(self, messages: list[dict], params: SamplingParams | None = None, tools=None,
-                    logits_processor=None):
-        return self.stream(self.chat_prompt(messages, tools), params, logits_processor)
+                    logits_processor=None, salt: str = "", tenant: str | None = ""):
+        return self.stream(self.chat_prompt(messages, tools), params, logits_processor, salt, tenant)
+
+    def close(self):
+        """Stops the engine's thread (a finished program need not: it is a daemon)."""
+        if self.engine is not None:
+            self.engine.stop()
 
     # ---- accounting --------------------------------------------------------------------------------------------
     def weight_bytes_per_token(self) -> int:
@@ -154,6 +258,4 @@ class LLM:
 
     def kv_bytes_per_token(self, context: int) -> int:
         """KV-cache bytes one decode step reads at a given context length."""
-        c = self.config
-        element = torch.finfo(DTYPES[self.dtype]).bits // 8
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * element
+        return KVCache.bytes_per_token(self.config, self.model.embed_tokens.weight.dtype) * context

@@ -53,7 +53,7 @@ def reference(model: str, config: EvalConfig | None = None, threads: int | None 
     scores = score(llm.model, windows, progress("float32 reference: corpus"))
     runs = greedy(llm, config.prompts, config.greedy_tokens, progress("float32 reference: greedy"))
     return Reference(config, windows, files, scores, runs, llm.weight_bytes_per_token(),
-                     "native" if llm.decoder is not None else "pytorch")
+                     llm.decode_path)
 
 
 def evaluate(llm, ref: Reference, progress=no_progress, label: str = "candidate") -> dict:
@@ -62,4 +62,4 @@ def evaluate(llm, ref: Reference, progress=no_progress, label: str = "candidate"
     runs = greedy(llm, ref.config.prompts, ref.config.greedy_tokens, progress(f"{label}: greedy"))
     return {**compare(scores, ref.scores, runs, ref.runs), "bytes_per_token": llm.weight_bytes_per_token(),
             "reference_bytes_per_token": ref.bytes_per_token,
-            "decode_path": "native" if llm.decoder is not None else "pytorch", "corpus": ref.corpus()}
+            "decode_path": llm.decode_path, "corpus": ref.corpus()}

@@ -25,7 +25,7 @@ def native_enabled() -> bool:
 
 @functools.cache
 def native_ops():
-    """The compiled module (q8_linear, q4_linear, forward_layers), or None where it cannot be had."""
+    """The compiled module (q8_linear, q4_linear, forward_batch), or None where it cannot be had."""
     if not native_enabled():
         return None
     try:

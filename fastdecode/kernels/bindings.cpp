@@ -7,14 +7,18 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 }  // namespace fastdecode
 
-at::Tensor forward_layers(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
-                          int64_t slot0, const at::Tensor& tree_mask, const at::Tensor& rope_global,
-                          const at::Tensor& rope_local, const std::vector<int64_t>& windows, int64_t H, int64_t K,
-                          int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu);
+at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
+                         const at::Tensor& slots, const at::Tensor& seq_rows, const at::Tensor& context,
+                         const at::Tensor& block_table, int64_t block_size, const at::Tensor& tree_mask,
+                         const at::Tensor& rope_global, const at::Tensor& rope_local, const std::vector<int64_t>& windows,
+                         int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W 8-bit packed (N/4, K/32, 144 or 136) with fp16 block scales (and offsets)");
   m.def("q4_linear", &fastdecode::q4_linear,
         "y = x @ W.T + bias, W 4-bit packed (N/4, K/64, 160) with fp16 scales and mins");
-  m.def("forward_layers", &forward_layers, "new tokens (a decode step or a draft tree) through every layer (see decode_step.cpp)");
+  // The GIL is released: a server's event loop keeps answering while a step runs.
+  m.def("forward_batch", &forward_batch, py::call_guard<py::gil_scoped_release>(),
+        "the new rows of a batch of sequences (decode steps, prompt chunks, draft trees) through every layer over a "
+        "paged KV cache (see decode_step.cpp)");
 }

@@ -157,49 +157,76 @@ void accumulate(const float* p, const float* v, Slot slot, int64_t n, int64_t hd
   }
 }
 
-// Which keys a query sees: the cache slots [first, slot0) (positions 0..slot0-1 in order) inside its sliding window,
-// then the new tokens (slots slot0 + j) that the tree mask allows (mask (T, T), row t: its ancestors and itself;
-// null means a causal chain) and that lie inside the window: the same list a decode step at its position would see.
+// Which keys a query sees, in position order: the logical cache positions [first, last) of its sequence, read through
+// the sequence's block table, then (in a token tree being verified) the new tokens of its tree that are its ancestors,
+// at their own slots (`tail`). A chain's new tokens are already written at logical positions ctx, ctx + 1, ..., so a
+// chain's query reads them through the table like the cache before it: [first, its own position + 1). A tree query
+// sees [first, ctx) and its ancestors: the same keys in the same order that a decode step at its position would see
+// once the accepted path sits at ctx, ctx + 1, ...
 struct Visible {
-  int64_t first;
+  int64_t first, last;
   std::vector<int64_t> tail;
 };
 
-Visible visible_keys(int64_t t, int64_t T, int64_t slot0, const int64_t* positions, const bool* mask, int64_t window) {
+// One sequence's rows [r0, r1) of the batch, with ctx tokens already in the cache and its block table.
+struct SeqRows {
+  int64_t r0, r1, ctx;
+  const int64_t* table;
+};
+
+Visible visible_keys(int64_t t, const SeqRows& s, const int64_t* positions, const int64_t* slots, const bool* mask,
+                     int64_t R, int64_t window) {
   const int64_t pos = positions[t];
-  Visible out{window ? std::min(slot0, std::max<int64_t>(0, pos - window + 1)) : 0, {}};
-  for (int64_t j = 0; j < T; ++j) {
-    const bool visible = mask ? mask[t * T + j] : j <= t;
-    if (visible && (!window || pos - positions[j] < window)) out.tail.push_back(slot0 + j);
+  if (!mask) {
+    const int64_t last = s.ctx + (t - s.r0) + 1;
+    return {window ? std::max<int64_t>(0, pos - window + 1) : 0, last, {}};
   }
+  Visible out{window ? std::min(s.ctx, std::max<int64_t>(0, pos - window + 1)) : 0, s.ctx, {}};
+  for (int64_t j = s.r0; j < s.r1; ++j)
+    if (mask[t * R + j] && (!window || pos - positions[j] < window)) out.tail.push_back(slots[j]);
   return out;
 }
 
-// Queries q[i] (hd) that share one KV group's cache k, v (S, hd) -> out[i] (hd).
+// Logical position a of a sequence -> its physical cache slot.
+inline int64_t physical(const SeqRows& s, int64_t block_size, int64_t a) {
+  return s.table[a / block_size] * block_size + a % block_size;
+}
+
+// Queries q[i] (hd) of one sequence that share one KV group's cache k, v (slots, hd) -> out[i] (hd). Keys are walked
+// in tiles that never cross a block, so each tile is contiguous in memory.
 template <int NV>
 void attend_tiled(const std::vector<const float*>& q, const std::vector<float*>& out, const std::vector<Visible>& seen,
-                  const float* k, const float* v, int64_t slot0, int64_t hd, float scale) {
-  const int64_t n = q.size();
+                  const float* k, const float* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale) {
+  const int64_t n = q.size(), tile = std::min(KEY_TILE, block_size);
   std::vector<int64_t> offset(n + 1, 0);  // query i's weights p[offset[i]..]: its cache keys, then its tail
-  int64_t lo = slot0;
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
   for (int64_t i = 0; i < n; ++i) {
-    offset[i + 1] = offset[i] + (slot0 - seen[i].first) + seen[i].tail.size() + 8;
+    offset[i + 1] = offset[i] + (seen[i].last - seen[i].first) + seen[i].tail.size() + 8;
     lo = std::min(lo, seen[i].first);
+    hi = std::max(hi, seen[i].last);
   }
+  lo -= lo % tile;
   std::vector<float> p(offset[n]);
-  const auto keys = [](int64_t a) { return [a](int64_t j) { return a + j; }; };  // the cache slots a, a + 1, ...
-  for (int64_t s = lo; s < slot0; s += KEY_TILE) {
-    const int64_t e = std::min(s + KEY_TILE, slot0);
+  const auto keys = [](int64_t a) { return [a](int64_t j) { return a + j; }; };  // the slots a, a + 1, ...
+  // The part of tile [s, s + tile) that query i sees: [a, e), inside one block.
+  const auto span = [&](int64_t i, int64_t s, int64_t& a, int64_t& e) {
+    a = std::max(s, seen[i].first);
+    e = std::min({s + tile, seen[i].last, (a / block_size + 1) * block_size});
+  };
+  for (int64_t s = lo; s < hi; s += tile) {
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t a = std::max(s, seen[i].first);
+      int64_t a, e, a2, e2;
+      span(i, s, a, e);
+      if (a >= e) continue;
       float* pi[2] = {p.data() + offset[i] + a - seen[i].first, nullptr};
-      if (i + 1 < n && std::max(s, seen[i + 1].first) == a && a < e) {  // two queries over the same keys
+      const int64_t base = physical(sr, block_size, a);
+      if (i + 1 < n && (span(i + 1, s, a2, e2), a2 == a && e2 == e)) {  // two queries over the same keys
         const float* qi[2] = {q[i], q[i + 1]};
         pi[1] = p.data() + offset[i + 1] + a - seen[i + 1].first;
-        scores<2>(qi, k, keys(a), e - a, hd, scale, pi);
+        scores<2>(qi, k, keys(base), e - a, hd, scale, pi);
         ++i;
-      } else if (a < e) {
-        scores<1>(&q[i], k, keys(a), e - a, hd, scale, pi);
+      } else {
+        scores<1>(&q[i], k, keys(base), e - a, hd, scale, pi);
       }
     }
   }
@@ -207,23 +234,25 @@ void attend_tiled(const std::vector<const float*>& q, const std::vector<float*>&
   for (int64_t i = 0; i < n; ++i) {
     const std::vector<int64_t>& tail = seen[i].tail;
     float* pi = p.data() + offset[i];
-    const int64_t cached = slot0 - seen[i].first;
+    const int64_t cached = seen[i].last - seen[i].first;
     float* pt = pi + cached;
     scores<1>(&q[i], k, [&tail](int64_t j) { return tail[j]; }, tail.size(), hd, scale, &pt);
     inv[i] = softmax_weights(pi, cached + tail.size());
     std::fill(out[i], out[i] + hd, 0.f);
   }
-  for (int64_t s = lo; s < slot0; s += KEY_TILE) {
-    const int64_t e = std::min(s + KEY_TILE, slot0);
+  for (int64_t s = lo; s < hi; s += tile) {
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t a = std::max(s, seen[i].first);
-      if (a < e) accumulate<NV>(p.data() + offset[i] + a - seen[i].first, v, keys(a), e - a, hd, out[i]);
+      int64_t a, e;
+      span(i, s, a, e);
+      if (a < e)
+        accumulate<NV>(p.data() + offset[i] + a - seen[i].first, v, keys(physical(sr, block_size, a)), e - a, hd,
+                       out[i]);
     }
   }
   for (int64_t i = 0; i < n; ++i) {
     const std::vector<int64_t>& tail = seen[i].tail;
     const auto slot = [&tail](int64_t j) { return tail[j]; };
-    accumulate<NV>(p.data() + offset[i] + slot0 - seen[i].first, v, slot, tail.size(), hd, out[i]);
+    accumulate<NV>(p.data() + offset[i] + seen[i].last - seen[i].first, v, slot, tail.size(), hd, out[i]);
     const __m256 vinv = _mm256_set1_ps(inv[i]);
     for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(out[i] + d, _mm256_mul_ps(_mm256_loadu_ps(out[i] + d), vinv));
   }
@@ -231,12 +260,12 @@ void attend_tiled(const std::vector<const float*>& q, const std::vector<float*>&
 
 // The same for any hd, in plain loops, one query at a time.
 void attend_plain(const std::vector<const float*>& q, const std::vector<float*>& out, const std::vector<Visible>& seen,
-                  const float* k, const float* v, int64_t slot0, int64_t hd, float scale) {
+                  const float* k, const float* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale) {
   std::vector<int64_t> slots;
   std::vector<float> p;
   for (size_t i = 0; i < q.size(); ++i) {
     slots.clear();
-    for (int64_t j = seen[i].first; j < slot0; ++j) slots.push_back(j);
+    for (int64_t j = seen[i].first; j < seen[i].last; ++j) slots.push_back(physical(sr, block_size, j));
     slots.insert(slots.end(), seen[i].tail.begin(), seen[i].tail.end());
     const int64_t L = slots.size();
     p.resize(L);
@@ -260,33 +289,46 @@ void attend_plain(const std::vector<const float*>& q, const std::vector<float*>&
   }
 }
 
-// Queries q (T, H, hd) of the new tokens against the cache k, v (K, S, hd) -> out (T, H, hd). Work items run in
-// parallel: each KV group's queries (token by token, its heads in order) cut into equal runs, the runs of all groups
-// a multiple of the thread count (at least three per thread), so that the threads get even shares and the queries
-// of a run share the tiles they read.
-void attention(const float* q, const float* k, const float* v, int64_t T, int64_t H, int64_t K, int64_t S,
-               int64_t hd, int64_t slot0, const int64_t* positions, const bool* mask, int64_t window, float scale,
-               float* out) {
-  const int64_t group = H / K, per_group = T * group, threads = at::get_num_threads();
-  int64_t runs = (3 * threads + K - 1) / K;  // per group
-  while (K * runs % threads) ++runs;
-  runs = std::min(runs, per_group);
+// Queries q (R, H, hd) of the new rows of every sequence against the cache k, v (K, slots, hd) -> out (R, H, hd). Work
+// items run in parallel: each sequence's queries of each KV group (token by token, its heads in order) cut into equal
+// runs, the runs of all groups a multiple of the thread count (at least three per thread), so that the threads get
+// even shares and the queries of a run share the tiles they read. A query's arithmetic does not depend on the items
+// it shares, so a sequence's result is the same alone or in a batch.
+void attention(const float* q, const float* k, const float* v, int64_t H, int64_t K, int64_t S, int64_t hd,
+               const std::vector<SeqRows>& seqs, int64_t block_size, const int64_t* positions, const int64_t* slots,
+               const bool* mask, int64_t R, int64_t window, float scale, float* out) {
+  const int64_t group = H / K, threads = at::get_num_threads();
+  struct Item { int64_t seq, g, lo, hi; };  // rows lo..hi of the sequence's (token, head) queries of group g
+  std::vector<Item> items;
+  int64_t work = 0;
+  for (int64_t s = 0; s < static_cast<int64_t>(seqs.size()); ++s) {
+    const int64_t T = seqs[s].r1 - seqs[s].r0, per_group = T * group;
+    if (T == 0) continue;
+    int64_t runs = (3 * threads + K - 1) / K;  // per group
+    while (K * runs % threads) ++runs;
+    runs = std::min(runs, per_group);
+    for (int64_t g = 0; g < K; ++g)
+      for (int64_t run = 0; run < runs; ++run) items.push_back({s, g, per_group * run / runs, per_group * (run + 1) / runs});
+    work += (seqs[s].ctx + T) * hd * T * H;
+  }
   const auto kernel = hd % 64 == 0 ? attend_tiled<8> : hd % 32 == 0 ? attend_tiled<4> : hd % 16 == 0 ? attend_tiled<2>
                       : hd % 8 == 0 ? attend_tiled<1> : attend_plain;
-  at::parallel_for(0, K * runs, (slot0 + T) * hd * T * H >= 16384 ? 1 : K * runs, [&](int64_t i0, int64_t i1) {
+  const int64_t n_items = items.size();
+  at::parallel_for(0, n_items, work >= 16384 ? 1 : std::max<int64_t>(n_items, 1), [&](int64_t i0, int64_t i1) {
     std::vector<const float*> qs;
     std::vector<float*> outs;
     std::vector<Visible> seen;
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t g = item / runs, run = item % runs;
+    for (int64_t it = i0; it < i1; ++it) {
+      const Item& item = items[it];
+      const SeqRows& sr = seqs[item.seq];
       qs.clear(), outs.clear(), seen.clear();
-      for (int64_t r = per_group * run / runs; r < per_group * (run + 1) / runs; ++r) {
-        const int64_t t = r / group, h = g * group + r % group;
+      for (int64_t r = item.lo; r < item.hi; ++r) {
+        const int64_t t = sr.r0 + r / group, h = item.g * group + r % group;
         qs.push_back(q + (t * H + h) * hd);
         outs.push_back(out + (t * H + h) * hd);
-        seen.push_back(visible_keys(t, T, slot0, positions, mask, window));
+        seen.push_back(visible_keys(t, sr, positions, slots, mask, R, window));
       }
-      kernel(qs, outs, seen, k + g * S * hd, v + g * S * hd, slot0, hd, scale);
+      kernel(qs, outs, seen, k + item.g * S * hd, v + item.g * S * hd, sr, block_size, hd, scale);
     }
   });
 }
@@ -315,33 +357,50 @@ void gated_activation(float* g, int64_t I, bool gelu) {
 
 }  // namespace
 
-// x (T, D) float32 embeddings of new tokens at `positions` (T,), written to cache slots slot0..slot0+T-1 ->
-// (T, D) residual stream after the last layer (before the final norm). One token is a decode step; several are a
-// chain or a token tree being verified (tree_mask (T, T) bool, empty for a causal chain). rope_* are (2, S, hd)
-// cos/sin tables; windows[l] is layer l's sliding window (0: attends to everything).
-at::Tensor forward_layers(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
-                          int64_t slot0, const at::Tensor& tree_mask, const at::Tensor& rope_global,
-                          const at::Tensor& rope_local, const std::vector<int64_t>& windows, int64_t H, int64_t K,
-                          int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (T, D) float32");
+// x (R, D) float32 embeddings of the new rows of a batch of sequences -> (R, D) residual stream after the last layer
+// (before the final norm). Sequence b owns rows seq_rows[b]..seq_rows[b + 1], has context[b] tokens in the cache and
+// maps logical position a to slot block_table[b][a / block_size] * block_size + a % block_size; row r sits at
+// positions[r] and its keys and values are written to slot slots[r]. A sequence's rows are one decode step, a chunk
+// of its prompt, or a chain or token tree being verified (tree_mask (R, R) bool: row r sees row j of its own sequence
+// iff j is r or an ancestor; empty: every sequence's rows are a causal chain). rope_* are (2, P, hd) cos/sin tables;
+// windows[l] is layer l's sliding window (0: attends to everything). Caches are (..., K, slots, hd) per layer.
+at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
+                         const at::Tensor& slots, const at::Tensor& seq_rows, const at::Tensor& context,
+                         const at::Tensor& block_table, int64_t block_size, const at::Tensor& tree_mask,
+                         const at::Tensor& rope_global, const at::Tensor& rope_local, const std::vector<int64_t>& windows,
+                         int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (R, D) float32");
   TORCH_CHECK(weights.size() == windows.size() * SLOTS, "weights do not match the layer count");
-  const int64_t T = x.size(0), D = x.size(1), L = windows.size(), qn = H * hd, kn = K * hd;
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T && positions.is_contiguous(),
-              "positions must be (T,) int64");
+  const int64_t T = x.size(0), D = x.size(1), L = windows.size(), qn = H * hd, kn = K * hd, B = context.numel();
+  for (const at::Tensor* t : {&positions, &slots, &seq_rows, &context, &block_table})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "batch index tensors must be contiguous int64");
+  TORCH_CHECK(positions.numel() == T && slots.numel() == T, "positions and slots must be (R,)");
+  TORCH_CHECK(seq_rows.numel() == B + 1 && block_table.dim() == 2 && block_table.size(0) == B && block_size > 0,
+              "seq_rows (B + 1,), block_table (B, W)");
   const bool tree = present(tree_mask);
   TORCH_CHECK(!tree || (tree_mask.scalar_type() == at::kBool && tree_mask.numel() == T * T &&
-                        tree_mask.is_contiguous()), "tree_mask must be (T, T) bool");
+                        tree_mask.is_contiguous()), "tree_mask must be (R, R) bool");
+  const int64_t* SR = seq_rows.data_ptr<int64_t>();
+  const int64_t* CTX = context.data_ptr<int64_t>();
+  const int64_t W = block_table.size(1);
+  std::vector<SeqRows> seqs(B);
+  for (int64_t b = 0; b < B; ++b) {
+    seqs[b] = {SR[b], SR[b + 1], CTX[b], block_table.data_ptr<int64_t>() + b * W};
+    TORCH_CHECK(0 <= SR[b] && SR[b] <= SR[b + 1] && SR[b + 1] <= T, "seq_rows must be ascending within the rows");
+    TORCH_CHECK(CTX[b] + (SR[b + 1] - SR[b]) <= W * block_size, "sequence ", b, " runs past its block table");
+  }
   x = x.contiguous().clone();
   float* X = x.data_ptr<float>();
   const int64_t* P = positions.data_ptr<int64_t>();
+  const int64_t* SL = slots.data_ptr<int64_t>();
   const bool* M = tree ? tree_mask.data_ptr<bool>() : nullptr;
   at::Tensor h = at::empty({T, D}, x.options()), attn = at::empty({T, qn}, x.options());
   float* Hs = h.data_ptr<float>();
   const float epsf = static_cast<float>(eps), scale = static_cast<float>(attn_scale);
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * SLOTS;
-    const int64_t S = w[K_CACHE].size(2), window = windows[l];
-    TORCH_CHECK(slot0 + T <= S, "slot ", slot0 + T - 1, " is past the cache of ", S);
+    const int64_t S = w[K_CACHE].size(-2), window = windows[l];
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(0 <= SL[t] && SL[t] < S, "slot ", SL[t], " is past the cache of ", S);
     const at::Tensor& rope = window ? rope_local : rope_global;
 
     for (int64_t t = 0; t < T; ++t) rms_norm(X + t * D, w[IN_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
@@ -363,11 +422,12 @@ at::Tensor forward_layers(at::Tensor x, const std::vector<at::Tensor>& weights, 
       for (int64_t g = 0; g < K; ++g) {
         if (present(w[K_NORM])) rms_norm(k + g * hd, w[K_NORM].data_ptr<float>(), hd, epsf, k + g * hd);
         rotary(k + g * hd, cos, sin, hd);
-        std::copy(k + g * hd, k + (g + 1) * hd, kc + (g * S + slot0 + t) * hd);
-        std::copy(v + g * hd, v + (g + 1) * hd, vc + (g * S + slot0 + t) * hd);
+        std::copy(k + g * hd, k + (g + 1) * hd, kc + (g * S + SL[t]) * hd);
+        std::copy(v + g * hd, v + (g + 1) * hd, vc + (g * S + SL[t]) * hd);
       }
     }
-    attention(qs.data_ptr<float>(), kc, vc, T, H, K, S, hd, slot0, P, M, window, scale, attn.data_ptr<float>());
+    attention(qs.data_ptr<float>(), kc, vc, H, K, S, hd, seqs, block_size, P, SL, M, T, window, scale,
+              attn.data_ptr<float>());
     at::Tensor o = linear(attn, w[O_W], w[O_B]);
     float* O = o.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {

@@ -7,6 +7,7 @@ from torch import nn
 from fastdecode.kernels import native_ops
 
 EMPTY = torch.empty(0)
+ZERO_TABLE = torch.zeros(1, 1, dtype=torch.long)
 SLOTS = 16  # tensors per layer, in decode_step.cpp's Slot order
 
 
@@ -20,45 +21,58 @@ def linear_tensors(module: nn.Module) -> list[torch.Tensor] | None:
     return None
 
 
+def layer_weights(block) -> list[torch.Tensor]:
+    """A block's norms and linears in decode_step.cpp's slot order, without the cache (the last two slots)."""
+    attn, mlp = block.self_attn, block.mlp
+
+    def norm(name, owner=block):
+        m = getattr(owner, name, None)
+        return m.weight if m is not None else EMPTY
+    return [norm("input_layernorm"), norm("post_attention_layernorm"), norm("pre_feedforward_layernorm"),
+            norm("post_feedforward_layernorm"), norm("q_norm", attn), norm("k_norm", attn),
+            *linear_tensors(attn.qkv_proj), *linear_tensors(attn.o_proj), *linear_tensors(mlp.gate_up_proj),
+            *linear_tensors(mlp.down_proj)]
+
+
+def model_supported(model) -> bool:
+    """Float32 embeddings on the CPU and every linear one decode_step.cpp runs."""
+    layers_ok = all(
+        linear_tensors(m) is not None
+        for block in model.layers
+        for m in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj))
+    return (model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.device.type == "cpu"
+            and layers_ok)
+
+
+def layer_args(model) -> dict:
+    """The model-wide arguments of forward_batch after the per-layer tensors and the batch."""
+    c = model.config
+    return dict(windows=[c.sliding_window if c.is_sliding(i) else 0 for i in range(c.num_hidden_layers)],
+                H=c.num_attention_heads, K=c.num_key_value_heads, hd=c.head_dim, eps=c.rms_norm_eps,
+                scale=c.attention_scale, sandwich=c.family == "gemma3", gelu=c.hidden_act.startswith("gelu"))
+
+
 class NativeDecoder:
-    """Runs new tokens (one for decode, a chain or tree of drafts for verification) through all layers with a single
-    call into C++; the final norm and LM head stay in PyTorch."""
+    """The native step over the model's own static cache (`Transformer.setup_cache`), one sequence whose slot i holds
+    position i: what the drafters that run the target's layers, and the single-request speculative loop, call. The
+    serving engine's paged cache goes through fastdecode.runners.native instead."""
 
     def __init__(self, model, ops):
         self.model, self.ops = model, ops
-        c = model.config
-        self.windows = [c.sliding_window if c.is_sliding(i) else 0 for i in range(c.num_hidden_layers)]
-        self.sandwich = c.family == "gemma3"
-        self.gelu = c.hidden_act.startswith("gelu")
+        self.args = layer_args(model)
         self.gather()
 
     def gather(self):
         """Collects the per-layer tensors in decode_step.cpp's slot order (again whenever the cache is replaced)."""
-        model = self.model
-        self.cache = model.layers[0].self_attn.kv_cache.k
+        self.cache = self.model.layers[0].self_attn.kv_cache.k
         self.weights = []
-        for block in model.layers:
-            attn, mlp = block.self_attn, block.mlp
-
-            def norm(name, owner=block):
-                m = getattr(owner, name, None)
-                return m.weight if m is not None else EMPTY
-            self.weights += [norm("input_layernorm"), norm("post_attention_layernorm"),
-                             norm("pre_feedforward_layernorm"), norm("post_feedforward_layernorm"),
-                             norm("q_norm", attn), norm("k_norm", attn),
-                             *linear_tensors(attn.qkv_proj), *linear_tensors(attn.o_proj),
-                             *linear_tensors(mlp.gate_up_proj), *linear_tensors(mlp.down_proj),
-                             attn.kv_cache.k, attn.kv_cache.v]
+        for block in self.model.layers:
+            self.weights += [*layer_weights(block), block.self_attn.kv_cache.k, block.self_attn.kv_cache.v]
 
     @staticmethod
     def supports(model) -> bool:
-        layers_ok = all(
-            linear_tensors(m) is not None
-            for block in model.layers
-            for m in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj))
-        return (model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.device.type == "cpu"
-                and layers_ok and all(b.self_attn.kv_cache is not None and b.self_attn.kv_cache.k.shape[0] == 1
-                                      for b in model.layers))
+        return model_supported(model) and all(b.self_attn.kv_cache is not None and
+                                              b.self_attn.kv_cache.k.shape[0] == 1 for b in model.layers)
 
     @torch.inference_mode()
     def __call__(self, token: torch.Tensor, pos: int) -> torch.Tensor:
@@ -90,14 +104,16 @@ class NativeDecoder:
 
     def run_layers(self, x: torch.Tensor, start: int, stop: int, positions: torch.Tensor, slot0: int,
                    tree_mask: torch.Tensor | None) -> torch.Tensor:
-        """The residual stream x (T, D) through layers start..stop-1 in one call into C++."""
-        m, c = self.model, self.model.config
-        if m.layers[0].self_attn.kv_cache.k is not self.cache:
+        """The residual stream x (T, D) through layers start..stop-1 in one call into C++: one sequence whose single
+        block is the whole cache."""
+        if self.model.layers[0].self_attn.kv_cache.k is not self.cache:
             self.gather()
-        return self.ops.forward_layers(x, self.weights[start * SLOTS:stop * SLOTS], positions, slot0,
-                                       EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local,
-                                       self.windows[start:stop], c.num_attention_heads, c.num_key_value_heads,
-                                       c.head_dim, c.rms_norm_eps, c.attention_scale, self.sandwich, self.gelu)
+        T, a, m = x.shape[0], self.args, self.model
+        return self.ops.forward_batch(
+            x, self.weights[start * SLOTS:stop * SLOTS], positions, torch.arange(slot0, slot0 + T),
+            torch.tensor([0, T]), torch.tensor([slot0]), ZERO_TABLE, m.max_seq_len,
+            EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local, a["windows"][start:stop],
+            a["H"], a["K"], a["hd"], a["eps"], a["scale"], a["sandwich"], a["gelu"])
 
 
 def native_decoder(model) -> NativeDecoder | None:

@@ -65,3 +65,42 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                            enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, k_cache: torch.Tensor,
+              v_cache: torch.Tensor) -> torch.Tensor:
+        """x (R, D): the rows of a runners.Batch, rotated by cos, sin (R, head_dim), their keys and values written to
+        the paged cache k_cache, v_cache (kv_heads, slots, head_dim) -> attention output (R, D). Each sequence's
+        visible keys are gathered through its block table (the native runner reads them in place)."""
+        R = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(R, self.num_heads, self.head_dim)
+        k = k.view(R, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(0, 1), cos, sin).to(v_cache.dtype)  # (heads, R, head_dim)
+        k_cache[:, batch.slots] = apply_rotary(k.transpose(0, 1), cos, sin).to(v_cache.dtype)
+        v_cache[:, batch.slots] = v.view(R, self.num_kv_heads, self.head_dim).transpose(0, 1).to(v_cache.dtype)
+        out = torch.empty_like(q)
+        bs, rows = batch.block_size, batch.seq_rows.tolist()
+        for b, ctx in enumerate(batch.context.tolist()):
+            r0, r1 = rows[b], rows[b + 1]
+            if r0 == r1:
+                continue
+            q_pos = batch.positions[r0:r1]
+            table = batch.block_tables[b]
+            if batch.tree_mask is None:  # a chain: its new rows sit at logical positions ctx.. like the cache
+                logical = torch.arange(ctx + r1 - r0)
+                slots = table[logical // bs] * bs + logical % bs
+                k_pos = logical
+                mask = k_pos.unsqueeze(0) <= (ctx + torch.arange(r1 - r0)).unsqueeze(1)
+            else:
+                logical = torch.arange(ctx)
+                slots = torch.cat([table[logical // bs] * bs + logical % bs, batch.slots[r0:r1]])
+                k_pos = torch.cat([logical, q_pos])
+                mask = torch.cat([torch.ones(r1 - r0, ctx, dtype=torch.bool), batch.tree_mask[r0:r1, r0:r1]], 1)
+            if self.window:
+                mask &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.window
+            out[:, r0:r1] = F.scaled_dot_product_attention(
+                q[:, r0:r1], k_cache[:, slots], v_cache[:, slots], attn_mask=mask, scale=self.scale,
+                enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(0, 1).reshape(R, -1))

@@ -50,7 +50,10 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
 
     def forward(self, x, start, rope, rope_index, mask, kv_start):
-        attn = self.self_attn(self.input_layernorm(x), start, rope, rope_index, mask, kv_start)
+        return self.after_attention(x, self.self_attn(self.input_layernorm(x), start, rope, rope_index, mask, kv_start))
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention output `attn`: residual adds, norms and the MLP."""
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -72,10 +75,9 @@ class Transformer(nn.Module):
         self.rope_global = self.rope_local = None
 
     # ---- cache -------------------------------------------------------------------------------------------------
-    def setup_cache(self, max_seq_len: int, batch: int = 1, dtype: torch.dtype | None = None):
-        """Allocates the static KV cache and rope tables for sequences up to max_seq_len tokens."""
+    def setup_rope(self, max_seq_len: int):
+        """The rope tables for positions up to max_seq_len (what the paged runners need of the model)."""
         c = self.config
-        dtype = dtype or self.embed_tokens.weight.dtype
         device = self.embed_tokens.weight.device
         self.max_seq_len = max_seq_len
         scaling = c.rope_scaling
@@ -83,6 +85,14 @@ class Transformer(nn.Module):
             scaling = {"rope_type": "freq_factors", "factors": self.rope_freq_factors}
         self.rope_global = rope_cache(c.head_dim, max_seq_len, c.rope_theta, scaling).to(device)
         self.rope_local = rope_cache(c.head_dim, max_seq_len, c.rope_local_base_freq, None).to(device)
+
+    def setup_cache(self, max_seq_len: int, batch: int = 1, dtype: torch.dtype | None = None):
+        """Allocates the static KV cache (the reference forward's, one sequence per batch row) and the rope tables
+        for sequences up to max_seq_len tokens."""
+        c = self.config
+        dtype = dtype or self.embed_tokens.weight.dtype
+        device = self.embed_tokens.weight.device
+        self.setup_rope(max_seq_len)
         for block in self.layers:
             block.self_attn.kv_cache = KVCache(batch, c.num_key_value_heads, max_seq_len, c.head_dim, dtype, device)
 
@@ -103,6 +113,8 @@ class Transformer(nn.Module):
         end = start + T
         if end > self.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache of {self.max_seq_len}")
+        if self.layers[0].self_attn.kv_cache is None:  # the engine's model: its reference forward's cache on first use
+            self.setup_cache(self.max_seq_len, batch=B)
         x = self.embed(tokens)
         window = self.config.sliding_window
         local_start = max(0, start - window + 1) if window else 0

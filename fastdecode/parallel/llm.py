@@ -43,7 +43,8 @@ class ParallelLLM(LLM):
         self.group = group = init_group(tp, timeout_s)
         lead = group.leads
         load = lambda path, dtype, progress: load_shard(path, group.rank, group.world, dtype, progress)  # noqa: E731
-        super().__init__(model, quant=quant, native=False, speculate="none", progress=progress if lead else None,
+        super().__init__(model, quant=quant, native=False, speculate="none", engine=False,
+                         progress=progress if lead else None,
                          log=log if lead else (lambda *a: None), load=load, **kw)
         install_collectives(self.model, group.pg)
         if lead:

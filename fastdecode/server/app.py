@@ -35,7 +35,8 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     served = ServedModel(llm, config.served_model_name)
     metrics = Metrics()
-    scheduler = Scheduler(config.max_queue, metrics)
+    # The engine batches every open stream; the single-request loop (tensor parallelism, model drafters) takes one.
+    scheduler = Scheduler(config.max_queue, metrics, slots=llm.engine.config.max_batch if llm.engine else 1)
     started = int(time.time())
 
     @asynccontextmanager

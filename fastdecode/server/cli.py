@@ -5,7 +5,7 @@ import ipaddress
 
 import click
 
-from fastdecode.engine.cli import build_llm, err, model_options
+from fastdecode.engine.cli import build_llm, err, model_kwargs, model_options
 from fastdecode.server.config import ServerConfig
 
 def is_loopback(host: str) -> bool:
@@ -43,8 +43,9 @@ def serve(host, port, api_key, served_model_name, max_queue, request_timeout, ma
     if not is_loopback(host) and not config.api_key:
         err.print(f"[yellow]warning: serving on {host} without an API key: anyone who reaches the port can use "
                   "the model[/yellow]")
-    llm = build_llm(**engine)
+    llm = build_llm(**model_kwargs(engine))
     app = create_app(llm, config)
-    err.print(f"[cyan]{app.state.served.id} on http://{host}:{port}/v1 "
-              f"(speculate {llm.speculate}, queue {max_queue}{', API key required' if config.api_key else ''})[/cyan]")
+    batch = llm.engine.config.max_batch if llm.engine else 1
+    err.print(f"[cyan]{app.state.served.id} on http://{host}:{port}/v1 (speculate {llm.speculate}, batch {batch}, "
+              f"queue {max_queue}{', API key required' if config.api_key else ''})[/cyan]")
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -32,9 +32,11 @@ class Metrics:
         self.accepted = Counter("fastdecode_speculation_accepted_tokens", "Drafted tokens the verifier accepted",
                                 registry=r)
         self.prompt_tokens = Counter("fastdecode_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.cached_tokens = Counter("fastdecode_prompt_tokens_cached", "Prompt tokens found in the prefix cache "
+                                     "(their share of fastdecode_prompt_tokens is the hit rate)", registry=r)
         self.completion_tokens = Counter("fastdecode_completion_tokens", "Output tokens generated", registry=r)
         self.queue_depth = Gauge("fastdecode_queue_depth", "Requests waiting for the engine", registry=r)
-        self.running = Gauge("fastdecode_requests_running", "Requests the engine is generating (0 or 1)", registry=r)
+        self.running = Gauge("fastdecode_requests_running", "Requests the engine is generating", registry=r)
 
     def observe_completion(self, prompt_tokens: int, output_tokens: int, completion) -> None:
         """One finished generation; `completion` is the engine's Completion, or None if it was cut short."""
@@ -43,6 +45,7 @@ class Metrics:
         if completion is None:
             return
         t = completion.timings
+        self.cached_tokens.inc(t.cached_tokens)
         self.ttft.observe(t.ttft_s)
         if t.output_tokens > 1:
             self.output_tok_s.observe(t.output_tok_s)

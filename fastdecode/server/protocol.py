@@ -20,9 +20,11 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, completion=None) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens counts the prompt tokens the prefix cache held."""
+    cached = completion.timings.cached_tokens if completion is not None else 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def speed(queue_s: float, completion, end: str | None) -> dict:
@@ -32,7 +34,7 @@ def speed(queue_s: float, completion, end: str | None) -> dict:
         t = completion.timings
         out.update(ttft_s=round(t.ttft_s, 4), prefill_tok_s=round(t.prefill_tok_s, 1),
                    output_tok_s=round(t.output_tok_s, 2), prompt_tokens=t.prompt_tokens,
-                   output_tokens=t.output_tokens)
+                   cached_tokens=t.cached_tokens, output_tokens=t.output_tokens)
         if completion.speculation is not None:
             out["speculation"] = completion.speculation
             out["accepted_tokens"] = completion.speculation.get("accepted")
@@ -90,7 +92,7 @@ class Formatter:
         figures = speed(queue_s, completion, end)
         if not self.include_usage:
             return [self.chunk([choice], fastdecode=figures)]
-        return [self.chunk([choice]), {**self.chunk([]), "usage": usage(self.prompt_tokens, self.tokens),
+        return [self.chunk([choice]), {**self.chunk([]), "usage": usage(self.prompt_tokens, self.tokens, completion),
                                        "fastdecode": figures}]
 
 
@@ -132,7 +134,8 @@ class ChatFormatter(Formatter):
             choice["logprobs"] = {"content": self._logprobs(self.entries)}
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT, "choices": [choice],
-                "usage": usage(self.prompt_tokens, self.tokens), "fastdecode": speed(queue_s, completion, end)}
+                "usage": usage(self.prompt_tokens, self.tokens, completion),
+                "fastdecode": speed(queue_s, completion, end)}
 
     def finish_reason(self, completion, end: str | None) -> str:
         if self.tool_calls:
@@ -205,7 +208,8 @@ class TextFormatter(Formatter):
             choice["logprobs"] = self._logprobs(self.entries, len(self.echo))[0]
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT, "choices": [choice],
-                "usage": usage(self.prompt_tokens, self.tokens), "fastdecode": speed(queue_s, completion, end)}
+                "usage": usage(self.prompt_tokens, self.tokens, completion),
+                "fastdecode": speed(queue_s, completion, end)}
 
     def finish_reason(self, completion, end: str | None) -> str:
         return completion.finish_reason if completion is not None and end != "timeout" else "length"

@@ -1,9 +1,10 @@
-"""One request at a time on the engine, the rest in a bounded first-in-first-out queue.
+"""Requests in a bounded first-in-first-out queue in front of the engine, `slots` of them generating at once.
 
-The engine holds one KV cache, so a single worker thread owns it: it takes requests in arrival order, iterates
-`LLM.stream` and hands each chunk to the request's asyncio queue on the event loop. A request whose client went
-away, or whose time ran out, is dropped from the queue or has its stream closed after the current token, which
-releases the engine for the next one.
+Each slot is a worker thread that takes the next request in arrival order and iterates its stream (`LLM.stream`),
+handing each chunk to the request's asyncio queue on the event loop. The engine batches whatever streams are open
+(continuous batching), so `slots` is its batch size; a model that runs one request at a time (tensor parallelism, a
+model drafter) gets one slot. A request whose client went away, or whose time ran out, is dropped from the queue or
+has its stream closed after the current token, which frees its place in the engine.
 """
 from __future__ import annotations
 
@@ -70,30 +71,34 @@ class Run:
 
 
 class Scheduler:
-    def __init__(self, max_queue: int, metrics=None):
-        self.max_queue = max_queue  # requests waiting beyond the one generating; more get 429
+    def __init__(self, max_queue: int, metrics=None, slots: int = 1):
+        self.max_queue = max_queue  # requests waiting beyond those generating; more get 429
         self.metrics = metrics
+        self.slots = slots
         self.jobs: queue.Queue[Run | None] = queue.Queue()
         self.lock = threading.Lock()
         self.waiting = 0
-        self.busy = False  # the worker is generating
+        self.busy = 0  # slots generating
         self.service_s = 1.0  # moving average of a request's engine time, for Retry-After
-        self.thread: threading.Thread | None = None
+        self.threads: list[threading.Thread] = []
 
     def start(self):
-        self.thread = threading.Thread(target=self._work, name="fastdecode-engine", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._work, name=f"fastdecode-slot-{i}", daemon=True)
+                        for i in range(self.slots)]
+        for t in self.threads:
+            t.start()
 
     def stop(self, timeout: float = 5.0):
-        if self.thread is not None:
+        for _ in self.threads:
             self.jobs.put(None)
-            self.thread.join(timeout)
+        for t in self.threads:
+            t.join(timeout)
 
     def submit(self, open_stream: Callable[[], Iterator[StreamChunk]], timeout_s: float) -> Run:
         """Queues a request (call on the event loop); raises QueueFull when `max_queue` requests already wait."""
         with self.lock:
-            if self.waiting >= self.max_queue + (0 if self.busy else 1):  # an idle engine takes one at once
-                raise QueueFull(max(1, math.ceil(self.service_s * (self.waiting + 1))))
+            if self.waiting >= self.max_queue + self.slots - self.busy:  # idle slots take one each at once
+                raise QueueFull(max(1, math.ceil(self.service_s * (self.waiting + 1) / self.slots)))
             self.waiting += 1
         run = Run(open_stream, asyncio.get_running_loop(), time.monotonic() + timeout_s)
         self._gauges()
@@ -110,17 +115,17 @@ class Scheduler:
         while (run := self.jobs.get()) is not None:
             with self.lock:
                 self.waiting -= 1
-                self.busy = True
+                self.busy += 1
             run.started = time.monotonic()
-            self._gauges(running=1)
+            self._gauges(running=self.busy)
             try:
                 self._generate(run)
             except Exception as e:  # the request's error (InvalidRequestError) or ours: the handler answers it
                 run.post("error", e)
             finally:
                 with self.lock:
-                    self.busy = False
-                self._gauges(running=0)
+                    self.busy -= 1
+                self._gauges(running=self.busy)
                 self.service_s = 0.8 * self.service_s + 0.2 * (time.monotonic() - run.started)
 
     def _generate(self, run: Run):
@@ -144,5 +149,5 @@ class Scheduler:
                     end = "timeout"
                     break
         finally:
-            stream.close()  # a generator closed early releases LLM.lock
+            stream.close()  # a stream closed early ends the request in the engine
         run.post("end", end)

@@ -125,9 +125,12 @@ class Policy:
             est.append(cal.estimate(cond) * (est[parent] if parent >= 0 else 1.0))
         return est
 
-    def choose(self, draft: Draft | None, draft_seconds: float = 0.0) -> tuple[Draft | None, float]:
-        """-> (the nodes worth verifying or None for plain decode, expected tokens per second)."""
-        plain = 1.0 / self.cost(1)
+    def choose(self, draft: Draft | None, draft_seconds: float = 0.0, base_rows: int = 0,
+               base_tokens: float = 0.0) -> tuple[Draft | None, float]:
+        """-> (the nodes worth verifying or None for plain decode, expected tokens per second). In a batch the rest of
+        the step already holds `base_rows` rows that emit `base_tokens` tokens: a draft is judged by what it adds to
+        the whole step's tokens per second (its nodes cost less beside a prefill chunk, more beside nothing)."""
+        plain = (base_tokens + 1.0) / self.cost(base_rows + 1)
         if not draft:
             return None, plain
         if not self.adaptive:
@@ -139,11 +142,13 @@ class Policy:
         # Parents first: a child's estimate is at most its parent's, ties go to the lower index (parents come first),
         # so order[0] hangs under the root and its score is its conditional score.
         order = sorted(range(len(draft)), key=lambda i: (-est[i], i))[:self.max_nodes]
-        best_n, best_rate, expected = 0, plain, 1.0
+        # The margin is on this sequence's own share of the step: a draft must add MARGIN of what its plain row yields.
+        bar = plain * (1 + self.margin / (base_tokens + 1.0))
+        best_n, best_rate, expected = 0, plain, base_tokens + 1.0
         for n, i in enumerate(order, start=1):
             expected += est[i]
-            rate = expected / (self.cost(1 + n) + draft_seconds)
-            if rate > max(best_rate, plain * (1 + self.margin)):
+            rate = expected / (self.cost(base_rows + 1 + n) + draft_seconds)
+            if rate > max(best_rate, bar):
                 best_n, best_rate = n, rate
         if (best_n == 0 and cal.untested(min(1.0, draft.scores[order[0]]))
                 and self.consultations - self.last_probe >= PROBE_GAP):

@@ -161,16 +161,42 @@ def grow_tree(node: Node | Occurrences, matched: int, budget: int, max_depth: in
     return draft
 
 
+class SuffixMemory:
+    """Earlier requests' prompts and outputs in one suffix trie, at most `max_tokens` of them (least recently used
+    requests evicted first). One memory serves the requests of one tenant: a drafter that drew on another user's
+    text would reveal it (through what it drafts, and so through speed and acceptance counts)."""
+
+    def __init__(self, depth: int = 24, max_tokens: int = 32768):
+        self.trie = SuffixTrie(depth)
+        self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # least recently used first
+        self.max_tokens, self.stored, self.next_seq = max_tokens, 0, 0
+
+    def touch(self, seq: int):
+        if seq in self.sequences:
+            self.sequences.move_to_end(seq)  # used: evict it last
+
+    def remember(self, tokens: list[int]):
+        tokens = list(tokens[-self.max_tokens:])
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        self.trie.insert(tokens, seq)
+        self.sequences[seq] = tokens
+        self.stored += len(tokens)
+        while self.stored > self.max_tokens and len(self.sequences) > 1:
+            _, old = self.sequences.popitem(last=False)
+            self.trie.remove(old)
+            self.stored -= len(old)
+
+
 class SuffixDrafter(Drafter):
     name = "suffix"
 
     def __init__(self, depth: int = 24, max_match: int = 16, depth_per_match: float = 2.0, min_prob: float = 0.05,
-                 global_tokens: int = 32768):
+                 global_tokens: int = 32768, memory: SuffixMemory | None = None):
+        """`memory`: earlier requests to draw on, shared with other drafters of the same tenant (default: this
+        drafter's own)."""
         self.depth, self.max_match = depth, max_match
         self.depth_per_match, self.min_prob = depth_per_match, min_prob
-        self.global_trie = SuffixTrie(depth)  # earlier requests' prompts and outputs, shared across requests
-        self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # least recently used first
-        self.global_tokens, self.stored, self.next_seq = global_tokens, 0, 0
+        self.memory = memory or SuffixMemory(depth, global_tokens)
         self.start([])
 
     def start(self, prompt_ids: list[int], params=None):
@@ -183,25 +209,17 @@ class SuffixDrafter(Drafter):
     def propose(self, context: list[int], budget: int) -> Draft | None:
         self.observe(context)
         best = None
-        for trie in (self.local, self.global_trie):
+        for trie in (self.local, self.memory.trie):
             m, node = trie.match(context, self.max_match)
             if node is None:
                 continue
             draft = grow_tree(node, m, budget, max(1, int(self.depth_per_match * m)), self.min_prob, self.name)
-            if trie is self.global_trie and node.seq in self.sequences:
-                self.sequences.move_to_end(node.seq)  # used: evict it last
+            if trie is self.memory.trie:
+                self.memory.touch(node.seq)
             if best is None or sum(draft.scores) > sum(best.scores):
                 best = draft
         return best if best else None
 
     def finish(self, context: list[int]):
-        """Keeps the finished request's prompt and output for later requests, evicting the least recently used."""
-        tokens = list(context[-self.global_tokens:])
-        seq, self.next_seq = self.next_seq, self.next_seq + 1
-        self.global_trie.insert(tokens, seq)
-        self.sequences[seq] = tokens
-        self.stored += len(tokens)
-        while self.stored > self.global_tokens and len(self.sequences) > 1:
-            _, old = self.sequences.popitem(last=False)
-            self.global_trie.remove(old)
-            self.stored -= len(old)
+        """Keeps the finished request's prompt and output for later requests."""
+        self.memory.remember(context)

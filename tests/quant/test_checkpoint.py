@@ -116,7 +116,7 @@ def test_quantize_command_output_loads_like_the_in_memory_transform(smollm2_path
         a = in_memory.model(torch.tensor([ids]), 0, all_logits=True)
         b = reloaded.model(torch.tensor([ids]), 0, all_logits=True)
     assert torch.equal(a, b)
-    assert reloaded.decoder is not None  # the native decode step takes the reloaded int4 modules
+    assert reloaded.decode_path == "native"  # the native decode step takes the reloaded int4 modules
     params = SamplingParams(max_tokens=16, temperature=0)
     assert reloaded.generate(ids, params).token_ids == in_memory.generate(ids, params).token_ids
     assert reloaded.weight_bytes_per_token() == in_memory.weight_bytes_per_token()

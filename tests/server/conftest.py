@@ -82,8 +82,9 @@ def server(smollm2_path, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def small_server(smollm2_path, tmp_path_factory):
-    """A 96-token context and a queue of one: 429s, and cheap requests for the fuzzer. No API key."""
-    yield from started(smollm2_path, tmp_path_factory, "--speculate", "none", "--max-queue", "1",
+    """A 96-token context, one request at a time and a queue of one: 429s, and cheap requests for the fuzzer. No
+    API key."""
+    yield from started(smollm2_path, tmp_path_factory, "--speculate", "none", "--max-batch", "1", "--max-queue", "1",
                        "--max-seq-len", "96", "--max-body-bytes", "65536")
 
 

@@ -55,7 +55,8 @@ def test_chat_response_matches_the_stream():
     body = whole.response(pieces[-1].completion, "done", 0.0)
     assert body["choices"][0]["message"]["content"] == "".join(
         c["choices"][0]["delta"].get("content") or "" for c in streamed)
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 11, "total_tokens": 14}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 11, "total_tokens": 14,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert streamed[-1]["fastdecode"]["output_tokens"] == 11 and "usage" not in streamed[-1]
 
 

@@ -7,7 +7,7 @@ import pytest
 from fastdecode.engine.llm import LLM
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.kernels import native_ops
-from fastdecode.speculative import build_speculator
+from fastdecode.speculative.batch import MODEL_FREE
 from fastdecode.workloads import CATEGORIES, load_workload
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable")
@@ -15,43 +15,56 @@ PARAMS = SamplingParams(max_tokens=128, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_path):
-    return LLM(str(smollm2_path), quant="int4", threads=2)
+def llms(smollm2_path):
+    """One LLM per --speculate value, built on first use: the model-free drafters on the engine, layerskip on the
+    single-request loop (whose prefill runs PyTorch's forward, so it has its own plain reference)."""
+    made = {}
+
+    def get(spec: str, engine: bool = True):
+        if (spec, engine) not in made:
+            made[(spec, engine)] = LLM(str(smollm2_path), quant="int4", threads=2, speculate=spec, engine=engine)
+        return made[(spec, engine)]
+    return get
 
 
 @pytest.fixture(scope="module")
-def prompts(llm):
+def prompts(llms):
     items = [item for c in CATEGORIES for item in load_workload(c)[:4]]
-    return [llm.chat_prompt(item.messages) for item in items]
+    return [llms("none").chat_prompt(item.messages) for item in items]
 
 
 @pytest.fixture(scope="module")
-def plain(llm, prompts):
-    llm.speculator = None
-    return [llm.generate(p, PARAMS).token_ids for p in prompts]
+def plain(llms, prompts):
+    """Plain greedy tokens on the engine, and on the single-request loop."""
+    return {engine: [llms("none", engine).generate(p, PARAMS).token_ids for p in prompts] for engine in (True, False)}
 
 
 @pytest.mark.parametrize("spec,forced,count", [(s, False, 20) for s in ("ngram", "suffix", "layerskip", "auto")]
                          + [("ngram", True, 5), ("suffix", True, 5)])
-def test_every_drafter_reproduces_plain_greedy_decoding(llm, prompts, plain, spec, forced, count):
+def test_every_drafter_reproduces_plain_greedy_decoding(llms, prompts, plain, spec, forced, count):
     """As shipped (adaptive) on all 20 prompts; forced (every draft of up to 8 nodes verified in full, the most
     rejections and cache moves) on 5, as a chain (ngram) and as a tree (suffix)."""
-    llm.speculator = build_speculator(spec, llm)
+    engine = spec in MODEL_FREE
+    llm = llms(spec, engine)
+    policy = llm.engine.speculator.policy if engine else llm.speculator.policy
+    saved = policy.adaptive, policy.max_nodes
     if forced:
-        llm.speculator.policy.adaptive, llm.speculator.policy.max_nodes = False, 8
-    accepted = 0
-    for i, (prompt, expected) in enumerate(zip(prompts[:count], plain)):
-        completion = llm.generate(prompt, PARAMS)
-        assert completion.token_ids == expected, f"{spec} diverged on prompt {i}"
-        accepted += completion.speculation["accepted"]
+        policy.adaptive, policy.max_nodes = False, 8
+    accepted = verified = 0
+    try:
+        for i, (prompt, expected) in enumerate(zip(prompts[:count], plain[engine])):
+            completion = llm.generate(prompt, PARAMS)
+            assert completion.token_ids == expected, f"{spec} diverged on prompt {i}"
+            accepted += completion.speculation["accepted"]
+            verified += completion.speculation["verify_steps"]
+    finally:
+        policy.adaptive, policy.max_nodes = saved
+    assert verified > 0, "no draft was ever verified: the comparison proved nothing"
     assert accepted > 0 or spec == "layerskip"  # an untrained early exit may never pay on its own
-    llm.speculator = None
 
 
-def test_stats_are_reported(llm, prompts):
-    llm.speculator = build_speculator("ngram", llm)
-    stats = llm.generate(prompts[0], PARAMS).speculation
-    llm.speculator = None
+def test_stats_are_reported(llms, prompts):
+    stats = llms("ngram").generate(prompts[0], PARAMS).speculation
     for key in ("drafter", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "draft_s", "verify_s"):
         assert key in stats
     assert 0 <= stats["acceptance_rate"] <= 1

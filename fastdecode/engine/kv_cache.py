@@ -1,0 +1,182 @@
+"""The KV cache: every layer's keys and values in fixed-size blocks of token slots, the one owner of them.
+
+A sequence holds a block table (block ids in order); its token at logical position p lives in slot
+table[p // block_size] * block_size + p % block_size of every layer. Blocks are reference counted. A full block whose
+keys and values are final is registered under a hash of its tokens and of every token before it (a hash chain, salted
+per tenant), so a later request with the same prefix takes the same blocks instead of computing them again
+(automatic prefix caching). When its last user lets go, such a block stays cached, unreferenced, until a new block is
+needed and it is the least recently used one (then it is evicted and reused); a block without a hash goes straight
+back to the free list.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+BLOCK_SIZE = 32  # token slots per block: the attention kernel's key tile, so a tile never straddles two blocks
+
+
+class NoFreeBlocks(Exception):
+    """Every block is referenced by a running sequence: the scheduler must wait or preempt."""
+
+
+@dataclass
+class BlockTable:
+    """One sequence's blocks; `hashes[i]` is block i's prefix hash once it is registered."""
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = BLOCK_SIZE, dtype: torch.dtype = torch.float32, device=None):
+        self.block_size, self.num_blocks = block_size, num_blocks
+        slots = num_blocks * block_size
+        # (kv_heads, slots, head_dim) per layer: a KV group's keys for consecutive slots are contiguous.
+        self.k = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.refs = [0] * num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # never used or evicted; pop() takes block 0 first
+        self.cached: dict[int, int] = {}  # prefix hash -> block
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # checked on a hit: no false sharing
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, least recent first
+        self.hits = self.queries = 0  # prompt tokens found cached / looked up (the hit rate)
+
+    @classmethod
+    def for_model(cls, config, tokens: int, dtype=torch.float32, device=None, block_size: int = BLOCK_SIZE):
+        blocks = -(-tokens // block_size)
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, blocks, block_size, dtype,
+                   device)
+
+    @staticmethod
+    def bytes_per_token(config, dtype=torch.float32) -> int:
+        elements = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+        return elements * torch.finfo(dtype).bits // 8
+
+    @property
+    def capacity(self) -> int:
+        """Token slots in all."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def available(self) -> int:
+        """Blocks that can be handed out now (free, or cached and idle)."""
+        return len(self.free) + len(self.idle)
+
+    # ---- prefix hashing --------------------------------------------------------------------------------------
+    def _hash(self, parent: int, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
+
+    def prefix_hashes(self, tokens: list[int], salt: str = "") -> list[int]:
+        """The hash chain of every full block of `tokens`."""
+        out, parent, bs = [], hash(("fastdecode-kv", salt)), self.block_size
+        for i in range(len(tokens) // bs):
+            parent = self._hash(parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            out.append(parent)
+        return out
+
+    # ---- a sequence's blocks ---------------------------------------------------------------------------------
+    def match_prefix(self, table: BlockTable, tokens: list[int], salt: str = "", limit: int | None = None) -> int:
+        """Gives an empty table the longest run of cached blocks that begins `tokens` (at most `limit` tokens'
+        worth) -> the number of tokens it covers. A hit is a block whose hash and tokens both match."""
+        assert not table.blocks
+        bs = self.block_size
+        limit = len(tokens) if limit is None else limit
+        hashes = self.prefix_hashes(tokens[:limit - limit % bs], salt)
+        for i, h in enumerate(hashes):
+            block = self.cached.get(h)
+            if block is None or self.block_tokens[block] != tuple(tokens[i * bs:(i + 1) * bs]):
+                break
+            self._ref(block)
+            table.blocks.append(block)
+            table.hashes.append(h)
+        self.queries += len(tokens)
+        self.hits += len(table.blocks) * bs
+        return len(table.blocks) * bs
+
+    def reserve(self, table: BlockTable, tokens: int):
+        """Grows the table to cover `tokens` logical positions; raises NoFreeBlocks (taking nothing) if it can't."""
+        need = -(-tokens // self.block_size) - len(table.blocks)
+        if need <= 0:
+            return
+        if need > self.available:
+            raise NoFreeBlocks(f"{need} blocks needed, {self.available} available")
+        for _ in range(need):
+            table.blocks.append(self._take())
+
+    def commit(self, table: BlockTable, tokens: list[int], computed: int, salt: str = ""):
+        """Registers the table's full blocks among the first `computed` positions (their keys and values are final)
+        under their prefix hashes, so that later requests can share them."""
+        bs, n = self.block_size, min(computed, len(tokens)) // self.block_size
+        if len(table.hashes) >= n:
+            return
+        parent = table.hashes[-1] if table.hashes else hash(("fastdecode-kv", salt))
+        for i in range(len(table.hashes), n):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            parent = self._hash(parent, block_tokens)
+            table.hashes.append(parent)
+            block = table.blocks[i]
+            if parent not in self.cached and self.block_hash[block] is None:
+                self.cached[parent] = block
+                self.block_hash[block], self.block_tokens[block] = parent, block_tokens
+
+    def release(self, table: BlockTable):
+        """The sequence lets go of its blocks: cached ones become idle (evictable, newest last), others free."""
+        for block in reversed(table.blocks):  # the tail first, so eviction takes a prefix's end before its start
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if self.block_hash[block] is not None:
+                    self.idle[block] = None
+                else:
+                    self.free.append(block)
+        table.blocks.clear()
+        table.hashes.clear()
+
+    def slot(self, table: BlockTable, position: int) -> int:
+        return table.blocks[position // self.block_size] * self.block_size + position % self.block_size
+
+    def slots(self, table: BlockTable, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def move(self, src: list[int], dst: list[int]):
+        """Copies the keys and values of slots src to slots dst in every layer (a verified tree's accepted path)."""
+        s, d = torch.tensor(src), torch.tensor(dst)
+        for k, v in zip(self.k, self.v):
+            k[:, d] = k[:, s]
+            v[:, d] = v[:, s]
+
+    def clear(self):
+        """Forgets every cached prefix (blocks in use keep their contents)."""
+        for block in list(self.idle):
+            self._evict(block)
+        for h, block in list(self.cached.items()):
+            self.block_hash[block] = self.block_tokens[block] = None
+        self.cached.clear()
+
+    # ---- blocks ----------------------------------------------------------------------------------------------
+    def _ref(self, block: int):
+        if self.refs[block] == 0:
+            self.idle.pop(block, None)
+        self.refs[block] += 1
+
+    def _take(self) -> int:
+        if self.free:
+            block = self.free.pop()
+        else:
+            block, _ = self.idle.popitem(last=False)
+            self._evict(block, to_free=False)
+        self.refs[block] = 1
+        return block
+
+    def _evict(self, block: int, to_free: bool = True):
+        h = self.block_hash[block]
+        if h is not None and self.cached.get(h) == block:
+            del self.cached[h]
+        self.block_hash[block] = self.block_tokens[block] = None
+        self.idle.pop(block, None)
+        if to_free:
+            self.free.append(block)

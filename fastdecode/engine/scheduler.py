@@ -1,0 +1,142 @@
+"""Which sequences run in the next forward pass, and how many rows each: continuous batching with chunked prefill.
+
+Every step, each running sequence that is decoding gets one row (its last sampled token) plus the draft the
+speculator picks for it; prompts being prefilled share what is left of the step's token budget, oldest first. While
+anyone decodes, that budget is sized so the step takes about `decode_gap_s`, so one user's long paste delays the
+others' next token by a chunk, not by its whole prefill. Waiting requests join between steps (first in, first out)
+while fewer than `max_batch` run, taking the longest cached prefix of their tokens first. When a sequence needs a block
+and none is free, the most recently admitted sequence is preempted: its blocks go back (full ones stay cached), and
+it computes its tokens again when readmitted (recompute preemption, as in vLLM), with its output so far kept.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from fastdecode.engine.kv_cache import KVCache, NoFreeBlocks
+from fastdecode.engine.sequence import Sequence, Status
+from fastdecode.speculative.draft import Draft
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch: int = 8  # sequences running at once; more wait in the queue
+    max_batched_tokens: int = 2048  # rows in one forward pass (a prompt chunk when nobody decodes)
+    decode_gap_s: float = 0.3  # while sequences decode, a step's prompt chunk is sized to take about this long
+    prefix_cache: bool = True
+
+
+@dataclass
+class Work:
+    """One sequence's rows in a step: `rows` of its pending tokens, then `draft`'s nodes (decode only)."""
+    seq: Sequence
+    rows: int
+    draft: Draft | None = None
+
+    @property
+    def samples(self) -> bool:
+        """The rows reach the sequence's last token, so the step samples its next one."""
+        return self.rows == self.seq.pending
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, config: SchedulerConfig, max_seq_len: int, speculator=None):
+        self.kv, self.config, self.max_seq_len, self.speculator = kv, config, max_seq_len, speculator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefill_tok_s = 0.0  # prompt rows per second of recent steps (0: not measured yet)
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Work]:
+        self._admit()
+        work: list[Work] = []
+        decoding = [s for s in self.running if s.pending == 1]
+        for seq in decoding:
+            if seq.status is Status.RUNNING and self._reserve(seq, seq.num_computed + 1):
+                work.append(Work(seq, 1))
+        work = [w for w in work if w.seq.status is Status.RUNNING]  # a later one's reserve may preempt an earlier
+        self._draft(work)
+        budget = self.config.max_batched_tokens - sum(w.rows + len(w.draft or ()) for w in work)
+        if work and self.prefill_tok_s:
+            budget = min(budget, max(self.kv.block_size, int(self.prefill_tok_s * self.config.decode_gap_s)))
+        for seq in [s for s in self.running if s.pending > 1]:
+            n = min(seq.pending, budget)
+            if n <= 0:
+                break
+            if seq.status is Status.RUNNING and self._reserve(seq, seq.num_computed + n):
+                work.append(Work(seq, n))
+                budget -= n
+        return [w for w in work if w.seq.status is Status.RUNNING]
+
+    def _draft(self, work: list[Work]):
+        """Each decoding sequence's draft, chosen against the rows and tokens the step already has."""
+        if self.speculator is None:
+            return
+        rows, tokens = len(work), float(len(work))
+        for w in work:
+            seq = w.seq
+            # Draft positions must stay inside the context, and drafting past max_tokens is wasted.
+            budget = min(self.speculator.policy.max_nodes, seq.params.max_tokens - seq.num_output - 1,
+                         self.max_seq_len - seq.num_computed - 1)
+            rows, tokens = rows - 1, tokens - 1
+            draft, expected = self.speculator.propose(seq, budget, rows, tokens) if budget > 0 else (None, 1.0)
+            if draft is not None and not self._reserve(seq, seq.num_computed + 1 + len(draft), preempt=False):
+                draft, expected = None, 1.0
+            w.draft = draft
+            rows, tokens = rows + 1 + len(draft or ()), tokens + expected
+
+    def _admit(self):
+        while self.waiting and len(self.running) < self.config.max_batch:
+            seq = self.waiting[0]
+            if not seq.table.blocks and self.config.prefix_cache:
+                # At least one token must run through the model to give the next token's logits.
+                seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, seq.salt, limit=len(seq.tokens) - 1)
+                if seq.first_scheduled is None:  # a preempted sequence's second admission is not a cache hit
+                    seq.timings.cached_tokens = seq.num_computed
+            try:
+                self.kv.reserve(seq.table, min(len(seq.tokens), seq.num_computed + self.kv.block_size))
+            except NoFreeBlocks:
+                self.kv.release(seq.table)
+                seq.num_computed = 0
+                return
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+
+    def _reserve(self, seq: Sequence, tokens: int, preempt: bool = True) -> bool:
+        """Blocks for `tokens` positions of seq, preempting the newest other sequences if need be; False if seq
+        itself had to go (or, without preempting, if there is no room)."""
+        while True:
+            try:
+                self.kv.reserve(seq.table, tokens)
+                return True
+            except NoFreeBlocks:
+                if not preempt:
+                    return False
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    return False
+
+    def preempt(self, seq: Sequence):
+        self.running.remove(seq)
+        self.kv.commit(seq.table, seq.tokens, seq.num_computed, seq.salt)
+        self.kv.release(seq.table)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str):
+        """Takes a sequence out, wherever it is; its computed full blocks stay cached for later requests."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.commit(seq.table, seq.tokens, seq.num_computed, seq.salt)
+        self.kv.release(seq.table)
+        seq.status, seq.finish_reason = Status.FINISHED, reason

@@ -1,0 +1,42 @@
+"""Runners: one forward pass over a batch of sequences' new rows with a paged KV cache -> final hidden states.
+
+`Batch` is what every runner takes; `build_runner` picks the native C++ step where the model fits it and PyTorch's
+modules otherwise (any torch device). The engine never asks which one it has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    """The rows of one forward pass. Sequence b owns rows seq_rows[b]:seq_rows[b + 1], has context[b] tokens in the
+    cache before them, and reads the cache through block_tables[b]; row r is token tokens[r] at position positions[r],
+    its keys and values written to cache slot slots[r]. tree_mask (R, R) bool, when set, says which rows of its own
+    sequence a row sees (a token tree being verified); None means every sequence's rows are a causal chain."""
+    tokens: torch.Tensor  # (R,) int64
+    positions: torch.Tensor  # (R,) int64
+    slots: torch.Tensor  # (R,) int64
+    seq_rows: torch.Tensor  # (B + 1,) int64
+    context: torch.Tensor  # (B,) int64
+    block_tables: torch.Tensor  # (B, W) int64, padded with 0
+    block_size: int
+    tree_mask: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.numel()
+
+
+def build_runner(model, kv, native: bool = True):
+    """The native runner when asked for and the kernels and the model allow it, else the PyTorch runner."""
+    from fastdecode.runners.native import NativeRunner
+    from fastdecode.runners.pytorch import TorchRunner
+
+    if native:
+        runner = NativeRunner.build(model, kv)
+        if runner is not None:
+            return runner
+    return TorchRunner(model, kv)

@@ -1,0 +1,37 @@
+"""The native runner: the whole forward in one call into C++ (decode_step.cpp), reading the paged cache through the
+batch's block tables; the final norm and LM head stay in PyTorch (the engine applies them to the rows it samples)."""
+from __future__ import annotations
+
+import torch
+
+from fastdecode.kernels import native_ops
+from fastdecode.kernels.decoder import EMPTY, layer_args, layer_weights, model_supported
+from fastdecode.runners import Batch
+
+
+class NativeRunner:
+    name = "native"
+
+    def __init__(self, model, ops, kv):
+        self.model, self.ops, self.kv = model, ops, kv
+        self.args = layer_args(model)
+        self.weights = []
+        for layer, block in enumerate(model.layers):
+            self.weights += [*layer_weights(block), kv.k[layer], kv.v[layer]]
+
+    @classmethod
+    def build(cls, model, kv) -> "NativeRunner | None":
+        if not model_supported(model) or kv.k[0].dtype != torch.float32 or kv.k[0].device.type != "cpu":
+            return None
+        ops = native_ops()
+        return cls(model, ops, kv) if ops is not None else None
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """-> final hidden states (R, D), before the final norm."""
+        a, m = self.args, self.model
+        return self.ops.forward_batch(
+            m.embed(batch.tokens), self.weights, batch.positions, batch.slots, batch.seq_rows, batch.context,
+            batch.block_tables, batch.block_size, EMPTY if batch.tree_mask is None else batch.tree_mask,
+            m.rope_global, m.rope_local, a["windows"], a["H"], a["K"], a["hd"], a["eps"], a["scale"], a["sandwich"],
+            a["gelu"])

@@ -1,0 +1,248 @@
+"""The serving engine over the paged KV cache: both runners against transformers for every family, prefix hits
+against full recomputes, and a randomized run (arrivals, cancellations, prefix hits, preemption, speculation)
+whose every output equals the same request run alone."""
+import random
+import time
+
+import pytest
+import torch
+
+from fastdecode.engine.engine import Engine
+from fastdecode.engine.kv_cache import BlockTable, KVCache
+from fastdecode.engine.sampling import SamplingParams
+from fastdecode.engine.scheduler import SchedulerConfig
+from fastdecode.errors import InvalidRequestError
+from fastdecode.loading import load_model
+from fastdecode.runners import Batch
+from fastdecode.runners.native import NativeRunner
+from fastdecode.runners.pytorch import TorchRunner
+from fastdecode.speculative.batch import BatchSpeculator
+from fastdecode.speculative.ngram import NgramDrafter
+from fastdecode.speculative.policy import Policy
+from fastdecode.speculative.suffix import SuffixDrafter
+from tests.helpers.checkpoints import SPECS, checkpoint, max_diff, prompt_tokens, reference_run, single_thread
+from tests.speculative.helpers import OracleDrafter, flat_cost, tiny_target
+
+PROMPT = prompt_tokens(24)  # longer than every sliding window of the family checkpoints
+ATOL = 1e-4  # ours vs transformers, float32
+SELF_ATOL = 1e-5  # ours vs ours: the same maths, batched differently
+RUNNERS = {"native": NativeRunner.build, "pytorch": TorchRunner}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with single_thread():
+        yield
+
+
+def paged(model, runner: str, blocks: int = 16, block_size: int = 8):
+    """A runner over a small paged cache whose free blocks come in shuffled order (tables are not contiguous)."""
+    model.setup_rope(256)
+    kv = KVCache.for_model(model.config, blocks * block_size, block_size=block_size)
+    random.Random(0).shuffle(kv.free)
+    r = RUNNERS[runner](model, kv)
+    if r is None:
+        pytest.skip("native kernels unavailable")
+    return r, kv
+
+
+def run(runner, kv, seqs: list[tuple[BlockTable, int, list[int]]]) -> list[torch.Tensor]:
+    """One forward over several sequences' new tokens (table, tokens already cached, new tokens) -> each one's
+    logits (T, vocab)."""
+    tokens, positions, slots, rows, context = [], [], [], [0], []
+    for table, start, new in seqs:
+        kv.reserve(table, start + len(new))
+        tokens += new
+        positions += range(start, start + len(new))
+        slots += kv.slots(table, start, start + len(new))
+        rows.append(len(tokens))
+        context.append(start)
+    width = max(len(t.blocks) for t, _, _ in seqs)
+    tables = torch.tensor([t.blocks + [0] * (width - len(t.blocks)) for t, _, _ in seqs])
+    batch = Batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), torch.tensor(rows),
+                  torch.tensor(context), tables, kv.block_size)
+    with torch.inference_mode():
+        logits = runner.model.head(runner.forward(batch))
+    return [logits[a:b] for a, b in zip(rows, rows[1:])]
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("name", SPECS)
+def test_paged_prefill_and_decode_match_transformers(name, runner):
+    r, kv = paged(load_model(checkpoint(name).hf_dir), runner)
+    ref = reference_run(checkpoint(name).model, PROMPT, 8)
+    table = BlockTable()
+    (prefill,) = run(r, kv, [(table, 0, PROMPT)])
+    assert max_diff(prefill, ref.prefill_logits) <= ATOL
+    for i, token in enumerate(ref.tokens[:-1]):  # decode steps fed transformers' own greedy tokens
+        (step,) = run(r, kv, [(table, len(PROMPT) + i, [token])])
+        assert max_diff(step[0], ref.step_logits[i]) <= ATOL
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("cached", [13, 16])  # a first request that ends mid-block and one that ends on a boundary
+def test_logits_after_a_prefix_hit_equal_a_full_recompute(name, runner, cached):
+    r, kv = paged(load_model(checkpoint(name).hf_dir), runner)
+    (whole,) = run(r, kv, [(BlockTable(), 0, PROMPT)])
+    first = BlockTable()
+    run(r, kv, [(first, 0, PROMPT[:cached])])
+    kv.commit(first, PROMPT, cached)
+    second = BlockTable()
+    hit = kv.match_prefix(second, PROMPT, limit=len(PROMPT) - 1)
+    assert hit == cached - cached % kv.block_size and second.blocks[:hit // 8] == first.blocks[:hit // 8]
+    (rest,) = run(r, kv, [(second, hit, PROMPT[hit:])])
+    assert max_diff(rest, whole[hit:]) <= SELF_ATOL
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_sequences_in_one_batch_get_their_solo_logits(runner):
+    name = "gemma3"  # sliding windows and a full layer
+    r, kv = paged(load_model(checkpoint(name).hf_dir), runner, blocks=32)
+    prompts = [PROMPT, prompt_tokens(9, seed=2), prompt_tokens(17, seed=3)]
+    solo = [run(r, kv, [(BlockTable(), 0, p)])[0] for p in prompts]
+    together = run(r, kv, [(BlockTable(), 0, p) for p in prompts])
+    for a, b in zip(solo, together):
+        assert max_diff(a, b) <= SELF_ATOL
+
+
+# ---- the engine ------------------------------------------------------------------------------------------------
+def tiny_engine(blocks: int = 64, prefix_cache: bool = True, max_batch: int = 4, max_batched_tokens: int = 24,
+                truth: dict | None = None, background: bool = True) -> Engine:
+    """The int4 tiny target (native rows: the same arithmetic in any batch) on an engine with 8-token blocks;
+    `truth` (prompt -> prompt and output) adds speculation by the model-free drafters and an oracle's trees."""
+    model, _ = tiny_target(max_seq_len=8)
+    model.setup_rope(256)
+    kv = KVCache.for_model(model.config, blocks * 8, block_size=8)
+    runner = NativeRunner.build(model, kv)
+    if runner is None:
+        pytest.skip("native kernels unavailable")
+    config = SchedulerConfig(max_batch=max_batch, max_batched_tokens=max_batched_tokens, prefix_cache=prefix_cache)
+    engine = Engine(model, kv, runner, 256, config, background=background)
+    if truth is not None:
+        drafters = lambda memory: [SuffixDrafter(memory=memory), NgramDrafter(), Oracle(truth)]  # noqa: E731
+        engine.speculator = engine.scheduler.speculator = BatchSpeculator("test", drafters, Policy(flat_cost()))
+    return engine
+
+
+class Oracle(OracleDrafter):
+    """The oracle of the lossless tests (right tokens, wrong siblings, a wrong token where it stops) for whichever
+    request it is given, looked up by its prompt."""
+
+    def __init__(self, truth: dict):
+        super().__init__([], 128, tree=True)
+        self.by_prompt = truth
+
+    def start(self, prompt_ids, params=None):
+        self.truth = self.by_prompt[tuple(prompt_ids)]
+
+
+def collect(seq, abort_after: int | None = None, engine=None) -> list[int]:
+    out = []
+    while True:
+        kind, value = seq.outbox.get(timeout=60)
+        if kind == "error":
+            raise value
+        if kind == "finished":
+            return out
+        out += value
+        if abort_after is not None and len(out) >= abort_after:
+            engine.abort(seq)
+            return out
+
+
+def tiny_prompt(length: int, seed: int) -> list[int]:
+    """Tokens of the tiny target's vocabulary (128), from a small alphabet so that drafts find repeats."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 40) for _ in range(length)]
+
+
+def drain(seq) -> tuple[list[int], bool]:
+    """What the engine posted so far -> (tokens, finished)."""
+    out = []
+    while not seq.outbox.empty():
+        kind, value = seq.outbox.get()
+        if kind == "error":
+            raise value
+        if kind == "finished":
+            return out, True
+        out += value
+    return out, False
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_outputs_with_arrivals_cancellations_prefix_hits_preemption_and_drafts_equal_solo_runs(seed):
+    rng = random.Random(seed)
+    shared = tiny_prompt(20, seed=5)
+    requests = []  # (prompt, params, cancel after this many tokens or None, arrival step)
+    for i in range(14):
+        prompt = (shared[:rng.choice([8, 13, 20])] if rng.random() < 0.6 else []) + tiny_prompt(rng.randint(1, 30),
+                                                                                                100 * seed + i)
+        sampled = rng.random() < 0.4
+        params = SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True, temperature=0.8 if sampled else 0,
+                                seed=i if sampled else None)
+        requests.append((prompt, params, rng.choice([None, None, None, 3]), rng.randrange(40)))
+    reference = tiny_engine(blocks=32, prefix_cache=False)
+    solo = [collect(reference.add_request(prompt, params)) for prompt, params, _, _ in requests]
+    reference.stop()
+    # 16 blocks of 8 for up to 4 sequences of up to 90 tokens: preemption is certain.
+    engine = tiny_engine(blocks=16, truth={tuple(r[0]): r[0] + s for r, s in zip(requests, solo)}, background=False)
+    steps, preempted = [], []
+    forward, preempt = engine.runner.forward, engine.scheduler.preempt
+    engine.runner.forward = lambda batch: steps.append(batch) or forward(batch)
+    engine.scheduler.preempt = lambda seq: preempted.append(seq) or preempt(seq)
+    live, outputs, seqs = {}, {}, {}
+    for step in range(2000):
+        for i, (prompt, params, _, arrival) in enumerate(requests):
+            if arrival == step:
+                live[i] = seqs[i] = engine.add_request(prompt, params)
+                outputs[i] = []
+        engine.pump()
+        for i, seq in list(live.items()):
+            tokens, finished = drain(seq)
+            outputs[i] += tokens
+            cancel = requests[i][2]
+            if finished or (cancel is not None and len(outputs[i]) >= cancel):
+                if not finished:
+                    engine.abort(seq)
+                del live[i]
+        if step > 40 and not live and not engine.scheduler.has_work():
+            break
+    assert len(outputs) == len(requests) and not live
+    for i, ((prompt, params, cancel, _), alone) in enumerate(zip(requests, solo)):
+        assert outputs[i] == alone[:len(outputs[i])], f"request {i}"
+        if cancel is None:
+            assert len(outputs[i]) == params.max_tokens
+        else:  # one step may have emitted several tokens (a verified draft) before the cancel took effect
+            assert len(outputs[i]) >= min(cancel, params.max_tokens)
+    assert all(r == 0 for r in engine.kv.refs), "a finished or cancelled request kept a block"
+    assert any(len(b.context) > 1 for b in steps), "no two sequences ever shared a forward pass"
+    assert any(len(b.context) > 1 and b.tree_mask is not None for b in steps), "no draft tree beside another sequence"
+    assert any(b.num_rows > len(b.context) + 1 and len(b.context) > 1 for b in steps), "no chunk or draft in a batch"
+    assert preempted, "the small cache never forced a preemption"
+    assert any(seq.timings.cached_tokens for seq in seqs.values()), "no request hit the prefix cache"
+    assert sum(seq.speculation.stats.accepted for seq in seqs.values()) > 0, "no draft token was ever accepted"
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused():
+    engine = tiny_engine(blocks=4)
+    with pytest.raises(InvalidRequestError, match="KV cache"):
+        engine.add_request(tiny_prompt(20, 0), SamplingParams(max_tokens=20))
+
+
+def test_a_cancelled_request_frees_its_blocks():
+    engine = tiny_engine()
+    seq = engine.add_request(tiny_prompt(30, 0), SamplingParams(max_tokens=200, ignore_eos=True))
+    collect(seq, abort_after=2, engine=engine)
+    deadline = time.time() + 10
+    while not seq.finished and time.time() < deadline:
+        time.sleep(0.01)
+    engine.stop()
+    assert seq.finish_reason == "abort"
+    assert all(r == 0 for r in engine.kv.refs) and engine.kv.available == engine.kv.num_blocks
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    engine = tiny_engine()
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        engine.add_request([1, 2, 128], SamplingParams(max_tokens=2))
