@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from fastdecode.engine.sampling import STOP_LIMITS, stop_within_limits
 
 INT64 = 2**63 - 1
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -86,7 +89,7 @@ class Sampling(Strict):
     n: int | None = Field(None, ge=1, le=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(None, max_length=16)
+    stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -97,6 +100,14 @@ class Sampling(Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     ignore_eos: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def bounded_stop(cls, stop):
+        """Checked here, before the prompt is tokenized; a single string counts as a list of one."""
+        if not stop_within_limits([stop] if isinstance(stop, str) else stop or []):
+            raise PydanticCustomError("stop_too_long", STOP_LIMITS)
+        return stop
 
 
 class ChatCompletionRequest(Sampling):
