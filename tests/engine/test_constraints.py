@@ -3,12 +3,14 @@ on a tiny vocabulary and on SmolLM2."""
 import json
 import math
 import random
+import time
 
 import pytest
 import torch
 
 from fastdecode.engine.constraints import (Alternatives, Choice, GrammarProcessor, JsonObject, Literal, Sequence,
                                            TokenTexts, json_object_grammar)
+from fastdecode.errors import InvalidRequestError
 
 
 def walk(grammar, text):
@@ -74,6 +76,29 @@ def test_schema_keys_restrict_the_top_level_and_required_keys_must_appear():
     assert walk(json_object_grammar({"type": "object", "properties": {}}), '{"') is None
 
 
+@pytest.mark.parametrize("schema", [{"properties": {"a": {}}, "required": 5}, {"properties": {}, "required": True},
+                                    {"properties": {"a": {}}, "required": [1]}, {"properties": []}, 5])
+def test_schema_with_properties_or_required_of_the_wrong_type_is_an_invalid_request(schema):
+    with pytest.raises(InvalidRequestError):
+        json_object_grammar(schema)
+
+
+def test_keys_json_would_have_to_escape_are_not_offered():
+    grammar = json_object_grammar({"properties": {"a\nb": {}, "tab\t": {}, "ok": {}}})
+    assert walk(grammar, '{"a') is None and walk(grammar, '{"tab') is None and accepts(grammar, '{"ok": 1}')
+
+
+def test_a_step_inside_a_key_costs_the_same_for_10_or_1000_keys():
+    def seconds(n_keys: int) -> float:
+        grammar = json_object_grammar({"properties": {f"z{i:04d}": {} for i in range(n_keys)}})
+        state = walk(grammar, '{"z0')
+        start = time.perf_counter()
+        for _ in range(5000):
+            grammar.step(state, "0"), grammar.step(state, "x")  # a key continues; nothing continues
+        return time.perf_counter() - start
+    assert min(seconds(1000) for _ in range(3)) < 3 * min(seconds(10) for _ in range(3))
+
+
 def test_schema_that_allows_other_keys_restricts_nothing():
     grammar = json_object_grammar({"type": "object", "properties": {"a": {}}, "additionalProperties": True})
     assert accepts(grammar, '{"b": 1}')
@@ -125,6 +150,13 @@ def test_processor_follows_rolled_back_drafts():
     assert allowed(p([0, 2, 3, 4], logits)) == {1}  # {"a": 1 -> close
     assert allowed(p([0], logits)) == {1, 2}  # a verifier rejected the draft: back to after "{"
     assert allowed(p([0, 2], logits)) == {3}
+
+
+def test_a_dead_end_is_an_error_not_a_complete_reply():
+    """After "{" only the required key "q" may follow, and no token spells it: ending the reply would return "{"."""
+    p = toy_processor(grammar=json_object_grammar({"properties": {"q": {}}, "required": ["q"]}))
+    with pytest.raises(InvalidRequestError):
+        p([0], torch.zeros(len(TEXTS)))
 
 
 def test_processor_keeps_real_logit_values():
