@@ -207,9 +207,9 @@ class JsonObject:
         return "num_exp" if digit else None  # num_esign, num_exp
 
     @classmethod
-    def for_schema(cls, schema: dict | None, what: str = "the schema") -> JsonObject:
+    def for_schema(cls, schema: dict | None) -> JsonObject:
         """The object a JSON Schema describes, as far as its top-level keys go (any object when it names none)."""
-        keys = object_keys(schema, what)
+        keys = object_keys(schema)
         return cls() if keys is None else cls(*keys)
 
 
