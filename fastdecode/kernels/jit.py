@@ -87,14 +87,19 @@ def compiler_version() -> str:
 
 
 def private_dir(directory: Path) -> Path:
-    """`directory`, made if missing; raises unless it and the two folders above it (kernels/, the home) are the
-    user's and writable by nobody else: anyone who can write there chooses the code this process loads."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for path in (directory, directory.parent, directory.parent.parent):
+    """`directory` ($FASTDECODE_HOME/kernels/NAME-KEY), made if missing; raises unless it and kernels/ are the user's
+    and writable by nobody else, and the home is not writable by everyone: whoever can write in any of them chooses
+    the code this process loads. (The home may be group-writable: umask 002 makes it so under user-private groups.)"""
+    kernels, home = directory.parent, directory.parent.parent
+    home.mkdir(parents=True, exist_ok=True)
+    for path in (kernels, directory):
+        path.mkdir(mode=0o700, exist_ok=True)
+    for path, writers in ((home, stat.S_IWOTH), (kernels, stat.S_IWGRP | stat.S_IWOTH),
+                          (directory, stat.S_IWGRP | stat.S_IWOTH)):
         st = path.stat()
-        if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise NativeBuildError(f"refusing to build or load native kernels in {path}: it must be owned by you "
-                                   "and not writable by group or others (chmod go-w)")
+        if (path != home and st.st_uid != os.getuid()) or st.st_mode & writers:
+            raise NativeBuildError(f"refusing to build or load native kernels in {path}: it must be yours and not "
+                                   "writable by others (chmod go-w)")
     return directory
 
 

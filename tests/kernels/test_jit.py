@@ -79,13 +79,21 @@ def test_a_live_build_lock_is_waited_for(tmp_path):
     assert acquired_within(tmp_path, 5)
 
 
-@pytest.mark.parametrize("loose", ["home", "kernels", "build"])
-def test_a_cache_folder_others_can_write_is_refused(tmp_path, loose):
+@pytest.mark.parametrize("folder, mode", [("home", 0o777), ("kernels", 0o770), ("build", 0o707)])
+def test_a_cache_folder_others_can_write_is_refused(tmp_path, folder, mode):
     directory = tmp_path / "home" / "kernels" / "build"
     private_dir(directory)
-    {"home": directory.parent.parent, "kernels": directory.parent, "build": directory}[loose].chmod(0o777)
-    with pytest.raises(NativeBuildError, match="not writable by group or others"):
+    {"home": directory.parent.parent, "kernels": directory.parent, "build": directory}[folder].chmod(mode)
+    with pytest.raises(NativeBuildError, match="not writable by others"):
         private_dir(directory)
+
+
+def test_a_group_writable_home_is_accepted_and_new_folders_are_private(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir(mode=0o775)
+    home.chmod(0o775)  # what umask 002 gives under user-private groups
+    directory = private_dir(home / "kernels" / "build")
+    assert (directory.stat().st_mode & 0o777) == (directory.parent.stat().st_mode & 0o777) == 0o700
 
 
 @pytest.fixture()
