@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fastdecode.errors import UnsupportedModelError
+from fastdecode.errors import ModelFileError, UnsupportedModelError
 
 # Architecture names as Hugging Face writes them in `config.json["architectures"]`, mapped to our family names.
 HF_ARCHITECTURES = {
@@ -121,9 +121,30 @@ class ModelConfig:
             c.layer_types = ["sliding_attention"] * c.num_hidden_layers
         return c
 
+    def check(self) -> "ModelConfig":
+        """Raises ModelFileError unless the sizes are positive integers and the heads group evenly."""
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+        bad = [name for name in sizes if type(getattr(self, name)) is not int or getattr(self, name) <= 0]
+        if bad:
+            raise ModelFileError(f"the model's {', '.join(bad)} must be positive integers")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelFileError(f"{self.num_attention_heads} attention heads do not share "
+                                 f"{self.num_key_value_heads} key/value heads evenly")
+        return self
+
     @classmethod
     def from_gguf(cls, meta: dict) -> "ModelConfig":
-        """Reads GGUF metadata (a dict of field name to value) the way llama.cpp names it."""
+        """Reads GGUF metadata (a dict of field name to value) the way llama.cpp names it; values of the wrong type
+        or out of range are a ModelFileError."""
+        try:
+            config = cls._read_gguf(meta)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            raise ModelFileError(f"malformed GGUF metadata ({type(e).__name__}: {e})") from None
+        return config.check()
+
+    @classmethod
+    def _read_gguf(cls, meta: dict) -> "ModelConfig":
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(

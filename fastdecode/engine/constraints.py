@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdecode.engine.json_schema import object_keys
+from fastdecode.errors import InvalidRequestError
+
 WHITESPACE = " \t\n\r"
 MAX_WHITESPACE_RUN = 32  # a model stuck emitting blank lines inside an object must move on
 MAX_DEPTH = 32  # nesting deeper than this is a runaway, not data
@@ -53,29 +56,55 @@ class Choice:
         return prefix in self.options
 
 
+class KeyTrie:
+    """The keys an object may hold, as a trie whose nodes carry a bit mask of the keys below them: whether a prefix
+    still leads to an unused key is one mask test, whatever the number of keys."""
+
+    def __init__(self, keys: list[str]):
+        self.index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        self.children: list[dict[str, int]] = [{}]
+        self.below = [0]  # bit i: key i lies below the node
+        self.key = [-1]  # the key the node spells, or -1
+        for k, i in self.index.items():
+            node = 0
+            self.below[0] |= 1 << i
+            for ch in k:
+                if ch not in self.children[node]:
+                    self.children[node][ch] = len(self.children)
+                    self.children.append({})
+                    self.below.append(0)
+                    self.key.append(-1)
+                node = self.children[node][ch]
+                self.below[node] |= 1 << i
+            self.key[node] = i
+
+    def mask(self, keys) -> int:
+        return sum(1 << self.index[k] for k in set(keys) & self.index.keys())
+
+
 class JsonObject:
     """One JSON object (RFC 8259) with optional whitespace before it, as a pushdown recognizer.
 
     `keys`, when given, are the only keys its top level may hold (each once; a function's `properties`), and the
     object closes only once every key in `required` is there. Values are any JSON.
 
-    State: (mode, stack, aux, whitespace run, top-level keys used). stack holds "o"/"a" for the open objects and
-    arrays; aux is the string kind ("key"/"value", or "k:" + the prefix of a restricted key), the unmatched rest of
-    a literal (true/false/null) or the hex digits still due."""
+    State: (mode, stack, aux, whitespace run, top-level keys used as a bit mask over the trie's keys). stack holds
+    "o"/"a" for the open objects and arrays; aux is the string kind ("key"/"value"), the trie node of a restricted
+    key being read (mode "rkey"), the unmatched rest of a literal (true/false/null) or the hex digits still due."""
 
     def __init__(self, keys: list[str] | None = None, required: list[str] = ()):
-        self.keys = None if keys is None else frozenset(keys)
-        self.required = frozenset(required) & self.keys if self.keys is not None else frozenset()
-        self.start = ("start", "", "", 0, frozenset())
+        self.trie = None if keys is None else KeyTrie(keys)
+        self.required = self.trie.mask(required) if self.trie is not None else 0
+        self.start = ("start", "", "", 0, 0)
 
     def done(self, state) -> bool:
         return state[0] == "done"
 
     def step(self, state, ch: str):
         mode, stack, aux, ws, used = state
+        if mode == "rkey":
+            return self._restricted_key(stack, aux, used, ch)
         if mode == "str":
-            if aux.startswith("k:"):
-                return self._restricted_key(state, ch)
             if ch == '"':
                 return ("colon", stack, "", 0, used) if aux == "key" else ("after", stack, "", 0, used)
             if ch == "\\":
@@ -107,8 +136,8 @@ class JsonObject:
             return ("key_or_end", "o", "", 0, used) if ch == "{" else None
         if mode in ("key_or_end", "key"):
             if ch == '"':
-                if self.keys is not None and stack == "o":
-                    return ("str", stack, "k:", 0, used) if self.keys - used else None
+                if self.trie is not None and stack == "o":
+                    return ("rkey", stack, 0, 0, used) if self.trie.below[0] & ~used else None
                 return ("str", stack, "key", 0, used)
             return self._close(stack, ch, used) if mode == "key_or_end" else None
         if mode == "colon":
@@ -121,26 +150,24 @@ class JsonObject:
             if ch == ",":
                 if stack[-1] == "a":
                     return ("value", stack, "", 0, used)
-                if self.keys is not None and stack == "o" and not self.keys - used:
+                if self.trie is not None and stack == "o" and not self.trie.below[0] & ~used:
                     return None  # every allowed key is there: only "}" may follow
                 return ("key", stack, "", 0, used)
             return self._close(stack, ch, used)
         return None  # done: nothing may follow the object
 
-    def _restricted_key(self, state, ch: str):
-        mode, stack, aux, ws, used = state
-        prefix = aux[2:]
+    def _restricted_key(self, stack: str, node: int, used: int, ch: str):
+        trie = self.trie
         if ch == '"':
-            return ("colon", stack, "", 0, used | {prefix}) if prefix in self.keys and prefix not in used else None
-        prefix += ch
-        if any(k.startswith(prefix) for k in self.keys - used):
-            return ("str", stack, "k:" + prefix, 0, used)
-        return None
+            key = trie.key[node]
+            return ("colon", stack, "", 0, used | 1 << key) if key >= 0 and not used >> key & 1 else None
+        child = trie.children[node].get(ch)
+        return ("rkey", stack, child, 0, used) if child is not None and trie.below[child] & ~used else None
 
     def _close(self, stack: str, ch: str, used):
         if ch != ("}" if stack[-1] == "o" else "]"):
             return None
-        if stack == "o" and not self.required <= used:
+        if stack == "o" and self.required & ~used:
             return None
         stack = stack[:-1]
         return ("after", stack, "", 0, used) if stack else ("done", "", "", 0, used)
@@ -182,13 +209,8 @@ class JsonObject:
     @classmethod
     def for_schema(cls, schema: dict | None) -> JsonObject:
         """The object a JSON Schema describes, as far as its top-level keys go (any object when it names none)."""
-        if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
-            return cls()
-        if schema.get("additionalProperties") not in (None, False):
-            return cls()
-        keys = [k for k in schema["properties"] if isinstance(k, str) and '"' not in k and "\\" not in k]
-        required = [k for k in schema.get("required") or [] if k in keys]
-        return cls(keys, required)
+        keys = object_keys(schema)
+        return cls() if keys is None else cls(*keys)
 
 
 class Alternatives:
@@ -332,8 +354,9 @@ class GrammarProcessor:
         if state is None:  # cannot happen when every position was processed; leave the logits alone
             return logits
         keep = self.eos_ids if self.grammar.done(state) else self.allowed(state, logits)
-        if not keep:  # nothing in the vocabulary continues the grammar: let the request end
-            keep = self.eos_ids
+        if not keep:  # ending here would hand back output that breaks the grammar as if it were complete
+            raise InvalidRequestError("the output cannot continue: no token of the vocabulary follows the required "
+                                      "format from here (a key may need characters the model cannot write)")
         masked = torch.full_like(logits, -math.inf)
         index = torch.tensor(keep, dtype=torch.long)
         masked[index] = logits[index]

@@ -9,7 +9,14 @@ import torch
 from fastdecode.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; the matcher's cost grows with their total length, not their count
+MAX_STOP_CHARS = 1024  # per stop string: far beyond any real stop sequence, and it bounds the matcher's memory
+STOP_LIMITS = f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each"
 MIN_TEMPERATURE = 1e-3  # logits / temperature must stay finite in float32; callers map smaller values to greedy
+
+
+def stop_within_limits(stop: list[str]) -> bool:
+    return len(stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in stop)
 
 
 @dataclass
@@ -42,6 +49,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (stop_within_limits(self.stop), STOP_LIMITS),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be an integer in [0, {MAX_LOGPROBS}]"),
         ]

@@ -31,8 +31,16 @@ def reference_model(model: str, given: str | None) -> str:
     return source
 
 
+def one_model(option: str | None, positional: str | None) -> str:
+    """MODEL as `-m` (as every other command takes it) or, as before, the positional argument; not two different."""
+    if option and positional and option != positional:
+        raise click.UsageError(f"two models given: -m {option} and {positional}")
+    return option or positional or DEFAULT_MODEL
+
+
 @click.command("eval")
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("positional_model", metavar="[MODEL]", required=False)
+@click.option("-m", "--model", default=None, help=f"Model to evaluate  [default: {DEFAULT_MODEL}]")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--quant", type=click.Choice(QUANTS), default="none", show_default=True)
 @click.option("--group-size", type=int, default=32, show_default=True, help="Group size for int4.")
@@ -43,9 +51,11 @@ def reference_model(model: str, given: str | None) -> str:
 @click.option("--greedy-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def eval_command(model, dtype, quant, group_size, reference, tokens, window, greedy_tokens, threads, as_json):
+def eval_command(positional_model, model, dtype, quant, group_size, reference, tokens, window, greedy_tokens, threads,
+                 as_json):
     """Perplexity on the Python standard library's sources, top-1 agreement with the float32 model's next token on
-    the same positions, and greedy agreement on fixed prompts, for MODEL in --dtype with --quant."""
+    the same positions, and greedy agreement on fixed prompts, for MODEL (-m) in --dtype with --quant."""
+    model = one_model(model, positional_model)
     from fastdecode.engine.llm import LLM
     from fastdecode.eval import EvalConfig, evaluate
     from fastdecode.eval import reference as make_reference

@@ -28,15 +28,33 @@ def load_model(path, dtype: torch.dtype = torch.float32, progress=None):
         config, weights, freq_factors, _ = load_gguf(path, dtype, progress)
     else:
         raise ModelFileError(f"model path {path} does not exist")
+    check_parameter_count(config, weights, path)
     with skip_init(dtype):
         model = model_class(config.family)(config)
     try:
         model.load_weights(weights)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:  # a shape load_weights refuses, or q/k/v shards torch.cat cannot join
         raise ModelFileError(f"{path}: {e}") from None
     model.rope_freq_factors = freq_factors
     model.checkpoint_path = path  # `--quant gguf` reads the file's own quantized blocks from here
     return model.eval()
+
+
+def check_parameter_count(config, weights: dict[str, torch.Tensor], path: Path):
+    """Refuses a config that asks for more parameters than the checkpoint holds (a corrupt or hostile header)
+    before anything is allocated: the model is built on the meta device, which allocates nothing."""
+    if config.num_hidden_layers > len(weights):  # every layer holds tensors; this also bounds the meta build
+        raise ModelFileError(f"{path}: {config.num_hidden_layers} layers, but the checkpoint holds {len(weights)} "
+                             "tensors")
+    try:
+        with torch.device("meta"):
+            wanted = sum(p.numel() for p in model_class(config.family)(config).parameters())
+    except (RuntimeError, ValueError, OverflowError) as e:  # sizes no tensor can have
+        reason = str(e).splitlines()[0]
+        raise ModelFileError(f"{path}: the config describes no model that can be built ({reason})") from None
+    held = sum(w.numel() for w in weights.values()) + config.vocab_size * config.hidden_size  # + a tied head
+    if wanted > held:
+        raise ModelFileError(f"{path}: the config's shapes need {wanted} parameters, the checkpoint holds {held}")
 
 
 @contextmanager

@@ -2,9 +2,13 @@
 
 gguf.GGUFReader builds a numpy view per array element, which takes ~19 s on Gemma 3's 262k-token vocabulary;
 this reader parses the same header with struct in well under a second and leaves dequantization to `gguf`.
+
+Every count and size is checked against the file before it is used (as llama.cpp's gguf.cpp does), so a corrupt or
+hostile file fails with ModelFileError rather than a traceback, a long loop or a huge allocation.
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +24,10 @@ SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
                7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 STRING, ARRAY = 8, 9
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NESTING = 2  # arrays of arrays; llama.cpp writes none
+MAX_ARRAY = 1 << 21  # elements per metadata array: Gemma 3's vocabulary is 262k; Python objects cost ~50 bytes each
+MAX_ENTRIES = 1 << 20  # metadata keys, or tensors
 
 
 @dataclass
@@ -41,7 +49,7 @@ class GGUFFile:
         self.pos = 0
         try:
             self.metadata, self.tensors = self._parse()
-        except (struct.error, IndexError, UnicodeDecodeError, ValueError) as e:
+        except (struct.error, IndexError, UnicodeDecodeError, ValueError, OverflowError) as e:
             raise ModelFileError(f"{self.path} is not a valid GGUF file (truncated or corrupt: {e})") from None
 
     # ---- primitive readers -------------------------------------------------------------------------------------
@@ -61,13 +69,21 @@ class GGUFFile:
         self.pos += n
         return s
 
-    def _value(self, vtype: int):
+    def _count(self, limit: int, what: str) -> int:
+        n = self._unpack("<Q")
+        if n > limit:
+            raise ValueError(f"{n} {what}, more than the {limit} a model holds")
+        return n
+
+    def _value(self, vtype: int, nesting: int = 0):
         if vtype in SCALARS:
             return self._unpack(SCALARS[vtype])
         if vtype == STRING:
             return self._string()
         if vtype == ARRAY:
-            etype, n = self._unpack("<I"), self._unpack("<Q")
+            if nesting >= MAX_NESTING:
+                raise ValueError(f"metadata arrays nested more than {MAX_NESTING} deep")
+            etype, n = self._unpack("<I"), self._count(MAX_ARRAY, "array elements")
             if etype in NUMPY_TYPES:  # numeric arrays: one vectorised read
                 dt = np.dtype(NUMPY_TYPES[etype])
                 end = self.pos + n * dt.itemsize
@@ -76,7 +92,7 @@ class GGUFFile:
                 arr = np.frombuffer(self.buf, dtype=dt, count=n, offset=self.pos)
                 self.pos = end
                 return arr.tolist()
-            return [self._value(etype) for _ in range(n)]
+            return [self._value(etype, nesting + 1) for _ in range(n)]
         raise ValueError(f"unknown metadata value type {vtype}")
 
     # ---- file structure ----------------------------------------------------------------------------------------
@@ -87,7 +103,7 @@ class GGUFFile:
         version = self._unpack("<I")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} is not supported")
-        n_tensors, n_kv = self._unpack("<Q"), self._unpack("<Q")
+        n_tensors, n_kv = self._count(MAX_ENTRIES, "tensors"), self._count(MAX_ENTRIES, "metadata keys")
         metadata = {}
         for _ in range(n_kv):
             key = self._string()
@@ -95,22 +111,30 @@ class GGUFFile:
         infos = []
         for _ in range(n_tensors):
             name = self._string()
-            dims = [self._unpack("<Q") for _ in range(self._unpack("<I"))]
+            n_dims = self._unpack("<I")
+            if n_dims > MAX_DIMS:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
+            dims = [self._unpack("<Q") for _ in range(n_dims)]
             raw_type, offset = self._unpack("<I"), self._unpack("<Q")
             infos.append((name, dims, raw_type, offset))
         alignment = metadata.get("general.alignment", 32)
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment must be a power of two, not {alignment!r}")
         data_start = (self.pos + alignment - 1) // alignment * alignment
         tensors = {}
         for name, dims, raw_type, offset in infos:
             try:
                 qtype = GGMLQuantizationType(raw_type)
             except ValueError:
-                raise UnsupportedModelError(f"tensor {name} has unknown GGML type {raw_type}") from None
+                raise UnsupportedModelError(f"tensor {name!r} has unknown GGML type {raw_type}") from None
+            if name in tensors:
+                raise ValueError(f"tensor {name!r} appears twice")
             block, type_size = GGML_QUANT_SIZES[qtype]
-            n_elements = int(np.prod(dims))
-            n_bytes = n_elements // block * type_size
+            if dims and dims[0] % block:
+                raise ValueError(f"tensor {name!r}'s rows of {dims[0]} are not whole blocks of {block}")
+            n_bytes = math.prod(dims) // block * type_size  # Python ints: no overflow, unlike np.prod
             start = data_start + offset
-            if start + n_bytes > len(self.mm):
-                raise ValueError(f"tensor {name} runs past the end of the file")
+            if offset % alignment or start + n_bytes > len(self.mm):
+                raise ValueError(f"tensor {name!r} lies outside the file's aligned data")
             tensors[name] = GGUFTensor(name, tuple(reversed(dims)), qtype, self.mm[start:start + n_bytes])
         return metadata, tensors

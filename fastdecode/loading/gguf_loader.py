@@ -43,6 +43,8 @@ def hf_name(gguf_name: str, family: str) -> str | None:
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undoes llama.cpp's convert-time q/k row permutation (interleaved rotary pairs -> half-split)."""
     shape = w.shape
+    if shape[0] % (2 * n_heads):
+        raise ModelFileError(f"{shape[0]} rows cannot hold {n_heads} heads of rotary pairs")
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 

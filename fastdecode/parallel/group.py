@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -37,7 +38,29 @@ def init_group(tp: int, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent already runs the store
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            rank = int(os.environ.get("RANK", 0))
+            dist.init_process_group(backend, store=rendezvous_store(rank, world, timeout), rank=rank, world_size=world,
+                                    timeout=timeout)
     if dist.get_world_size() != tp:
         raise InvalidRequestError(f"--tp {tp} does not match the process group of {dist.get_world_size()} ranks")
     return Group(dist.get_rank(), dist.get_world_size(), timeout_s)
+
+
+def rendezvous_store(rank: int, world: int, timeout: timedelta) -> dist.TCPStore:
+    """The store the ranks meet at, MASTER_ADDR:MASTER_PORT. Rank 0 listens on that address only: torch's own store
+    listens on every interface, unauthenticated, so with MASTER_ADDR=127.0.0.1 anyone on the network could still
+    reach it and join or disrupt the group."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world, False, timeout=timeout)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen()
+    # detach(): the store owns the descriptor from here; the socket object must not close it when collected.
+    return dist.TCPStore(host, port, world, True, timeout=timeout, master_listen_fd=listener.detach())

@@ -1,15 +1,12 @@
 """What the quantized linears share: the native/aten dispatch around a float32 (B*T, K) matmul, byte counts, and the
 4-bit lookup kernel (lut4.cpp) that the FP4 formats and int4 with groups other than 32 decode with."""
 import functools
-import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from fastdecode.quant.kernels import native_ops
-
-log = logging.getLogger(__name__)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -46,23 +43,9 @@ class QuantLinear(nn.Module):
 @functools.cache
 def lut_ops():
     """The compiled lut4.cpp (lut4_linear, max_rows), or None where native kernels are off or cannot be built."""
-    from fastdecode.kernels import FLAGS, native_enabled
+    from fastdecode.kernels.jit import build
 
-    if not native_enabled():
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        from fastdecode.loading.catalog import fastdecode_home
-
-        build_dir = fastdecode_home() / "kernels" / "lut4"  # its own: a build directory holds one build.ninja
-        build_dir.mkdir(parents=True, exist_ok=True)
-        return load("fastdecode_lut4", [str(Path(__file__).with_name("lut4.cpp"))], extra_cflags=FLAGS,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
-    except Exception as e:  # no compiler, a compile error: callers dequantize per forward instead
-        log.warning("fastdecode: 4-bit lookup kernel unavailable, dequantizing per forward (%s)",
-                    str(e).splitlines()[0])
-        return None
+    return build("fastdecode_lut4", [Path(__file__).with_name("lut4.cpp")], "dequantizing per forward")
 
 
 def lut_fits(rows: int) -> bool:

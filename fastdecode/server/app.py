@@ -10,19 +10,20 @@ import asyncio
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from fastdecode.errors import FastdecodeError
 from fastdecode.server.config import ServerConfig
-from fastdecode.server.errors import ApiError, error_body, install_error_handlers
-from fastdecode.server.limits import BodyLimit, bearer_check
+from fastdecode.server.errors import ApiError, install_error_handlers, stream_error
+from fastdecode.server.limits import BodyLimit
 from fastdecode.server.metrics import CountRequests, Metrics
 from fastdecode.server.prepare import EngineRequest, ServedModel, chat_request, completion_request
 from fastdecode.server.protocol import DONE, ChatFormatter, TextFormatter, sse
 from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler
 from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest
+from fastdecode.server.security import Guard
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -49,8 +50,8 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
                   version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(Guard, config=config)  # outside BodyLimit: no key, no body read; inside the request count
     app.add_middleware(CountRequests, metrics=metrics)
-    auth = [Depends(bearer_check(config.api_key))]
     app.state.scheduler, app.state.metrics, app.state.served = scheduler, metrics, served
 
     def model_card() -> dict:
@@ -61,20 +62,20 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
     async def health():
         return {"status": "ok", "model": served.id, "queue_depth": scheduler.waiting}
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model}", dependencies=auth)
+    @app.get("/v1/models/{model}")
     async def get_model(model: str):
         served.check_model(model)
         return model_card()
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         served.check_model(body.model)
         job = await run_in_threadpool(chat_request, body, served)
@@ -82,7 +83,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
                             include_usage(body), tool_names=job.tool_names)
         return await answer(request, job, fmt, bool(body.stream))
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         served.check_model(body.model)
         job = await run_in_threadpool(completion_request, body, served)
@@ -141,7 +142,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
                 yield sse(c)
             yield DONE
         except Exception as e:  # the engine failed mid-stream; OpenAI's clients raise on an error event
-            yield sse(error_body(400 if isinstance(e, FastdecodeError) else 500, str(e) or type(e).__name__))
+            yield sse(stream_error(e, fmt.id))
         finally:
             finished(run, fmt)
 

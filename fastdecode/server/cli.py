@@ -1,20 +1,11 @@
 """`fastdecode serve`: the OpenAI-compatible server on one model."""
 from __future__ import annotations
 
-import ipaddress
-
 import click
 
 from fastdecode.engine.cli import build_llm, err, model_kwargs, model_options
 from fastdecode.server.config import ServerConfig
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from fastdecode.server.security import is_loopback
 
 
 @click.command()

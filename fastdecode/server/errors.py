@@ -1,6 +1,9 @@
 """Every error the server answers, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 from __future__ import annotations
 
+import logging
+import secrets
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -8,7 +11,8 @@ from starlette.exceptions import HTTPException
 
 from fastdecode.errors import FastdecodeError
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+log = logging.getLogger(__name__)
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
          429: "rate_limit_error", 503: "server_overloaded", 500: "server_error"}
 
@@ -29,6 +33,21 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def internal_error(exc: BaseException, request_id: str | None = None) -> dict:
+    """A bug of ours or a failed engine: logged in full under a request id, answered with that id and nothing of the
+    exception's text (it may hold paths, prompts or other users' state)."""
+    request_id = request_id or f"req-{secrets.token_hex(8)}"
+    log.error("request %s failed: %s", request_id, type(exc).__name__, exc_info=exc)
+    return error_body(500, f"internal error (request {request_id}); the server's log has the details",
+                      code="internal_error")
+
+
+def stream_error(exc: BaseException, request_id: str) -> dict:
+    """The error event that ends a stream the engine failed mid-way: a request's own mistake (FastdecodeError, whose
+    messages are written for the client) says what it was; anything else is an internal error."""
+    return error_body(400, str(exc)) if isinstance(exc, FastdecodeError) else internal_error(exc, request_id)
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -71,5 +90,5 @@ def install_error_handlers(app: FastAPI):
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def crash(request: Request, exc: Exception):  # a bug of ours: say so without leaking internals
-        return error_response(500, f"internal error ({type(exc).__name__})")
+    async def crash(request: Request, exc: Exception):
+        return JSONResponse(internal_error(exc), status_code=500)

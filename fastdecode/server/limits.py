@@ -1,13 +1,10 @@
-"""Request guards that act before a route runs: the body size limit and the bearer API key."""
+"""The body size limit, enforced as the body arrives (the API key and Host checks are in security.py)."""
 from __future__ import annotations
 
-import hmac
-
-from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from fastdecode.server.errors import ApiError, error_body
+from fastdecode.server.errors import error_body
 
 
 class BodyLimit:
@@ -36,17 +33,3 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited, send)
-
-
-def bearer_check(api_key: str | None):
-    """A route dependency: 401 unless `Authorization: Bearer <api_key>` (compared in constant time)."""
-    def check(request: Request):
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            raise ApiError(401, "Missing API key: send it as `Authorization: Bearer <key>`", code="missing_api_key")
-        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
-    return check

@@ -9,10 +9,28 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from fastdecode.engine.json_schema import check_size, object_keys
+from fastdecode.engine.sampling import STOP_LIMITS, stop_within_limits
+from fastdecode.errors import InvalidRequestError
 
 INT64 = 2**63 - 1
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_LOGIT_BIAS = 1024  # entries; each is a token the bias touches
+
+
+def checked_schema(value: dict | None, schema, what: str):
+    """`value` unchanged, once it is within the size limits and `schema` (inside it) is one the grammar can read:
+    checked while the body is validated, so a bad schema costs no tokenizing and answers 400 with its parameter."""
+    try:
+        check_size(value, what)
+        object_keys(schema, what)
+    except InvalidRequestError as e:
+        raise PydanticCustomError("invalid_schema", str(e)) from None
+    return value
 
 
 class Strict(BaseModel):
@@ -53,6 +71,11 @@ class FunctionDefinition(Strict):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def readable_parameters(cls, parameters):
+        return checked_schema(parameters, parameters, "the function's parameters")
+
 
 class Tool(Strict):
     type: Literal["function"]
@@ -75,7 +98,12 @@ class StreamOptions(Strict):
 
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None  # accepted; the output is constrained to a JSON object, not the schema
+    json_schema: dict[str, Any] | None = None  # the output is an object with the schema's top-level keys
+
+    @field_validator("json_schema")
+    @classmethod
+    def readable_schema(cls, json_schema):
+        return checked_schema(json_schema, (json_schema or {}).get("schema"), "json_schema.schema")
 
 
 class Sampling(Strict):
@@ -86,10 +114,10 @@ class Sampling(Strict):
     n: int | None = Field(None, ge=1, le=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(None, max_length=16)
+    stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     seed: int | None = Field(None, ge=-INT64, le=INT64)
     user: str | None = None
     # vLLM's extensions
@@ -97,6 +125,14 @@ class Sampling(Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     ignore_eos: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def bounded_stop(cls, stop):
+        """Checked here, before the prompt is tokenized; a single string counts as a list of one."""
+        if not stop_within_limits([stop] if isinstance(stop, str) else stop or []):
+            raise PydanticCustomError("stop_too_long", STOP_LIMITS)
+        return stop
 
 
 class ChatCompletionRequest(Sampling):
@@ -106,7 +142,7 @@ class ChatCompletionRequest(Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # accepted and ignored

@@ -3,12 +3,14 @@ on a tiny vocabulary and on SmolLM2."""
 import json
 import math
 import random
+import sys
 
 import pytest
 import torch
 
 from fastdecode.engine.constraints import (Alternatives, Choice, GrammarProcessor, JsonObject, Literal, Sequence,
                                            TokenTexts, json_object_grammar)
+from fastdecode.errors import InvalidRequestError
 
 
 def walk(grammar, text):
@@ -74,6 +76,36 @@ def test_schema_keys_restrict_the_top_level_and_required_keys_must_appear():
     assert walk(json_object_grammar({"type": "object", "properties": {}}), '{"') is None
 
 
+@pytest.mark.parametrize("schema", [{"properties": {"a": {}}, "required": 5}, {"properties": {}, "required": True},
+                                    {"properties": {"a": {}}, "required": [1]}, {"properties": []}, 5])
+def test_schema_with_properties_or_required_of_the_wrong_type_is_an_invalid_request(schema):
+    with pytest.raises(InvalidRequestError):
+        json_object_grammar(schema)
+
+
+def test_keys_json_would_have_to_escape_are_not_offered():
+    grammar = json_object_grammar({"properties": {"a\nb": {}, "tab\t": {}, "ok": {}}})
+    assert walk(grammar, '{"a') is None and walk(grammar, '{"tab') is None and accepts(grammar, '{"ok": 1}')
+
+
+def test_a_step_inside_a_key_costs_the_same_for_10_or_1000_keys():
+    """Counted in calls (Python and builtin, as the profiler sees them), not timed: the same work whatever the keys."""
+    def calls(n_keys: int) -> int:
+        grammar = json_object_grammar({"properties": {f"z{i:04d}": {} for i in range(n_keys)}})
+        state, count = walk(grammar, '{"z0'), 0
+
+        def profile(frame, event, arg):
+            nonlocal count
+            count += 1
+        sys.setprofile(profile)
+        try:
+            grammar.step(state, "0"), grammar.step(state, "x")  # a key continues; nothing continues
+        finally:
+            sys.setprofile(None)
+        return count
+    assert calls(1000) == calls(10)
+
+
 def test_schema_that_allows_other_keys_restricts_nothing():
     grammar = json_object_grammar({"type": "object", "properties": {"a": {}}, "additionalProperties": True})
     assert accepts(grammar, '{"b": 1}')
@@ -125,6 +157,13 @@ def test_processor_follows_rolled_back_drafts():
     assert allowed(p([0, 2, 3, 4], logits)) == {1}  # {"a": 1 -> close
     assert allowed(p([0], logits)) == {1, 2}  # a verifier rejected the draft: back to after "{"
     assert allowed(p([0, 2], logits)) == {3}
+
+
+def test_a_dead_end_is_an_error_not_a_complete_reply():
+    """After "{" only the required key "q" may follow, and no token spells it: ending the reply would return "{"."""
+    p = toy_processor(grammar=json_object_grammar({"properties": {"q": {}}, "required": ["q"]}))
+    with pytest.raises(InvalidRequestError):
+        p([0], torch.zeros(len(TEXTS)))
 
 
 def test_processor_keeps_real_logit_values():

@@ -1,3 +1,6 @@
+import random
+import sys
+
 import pytest
 
 from fastdecode.engine.detokenize import IncrementalDetokenizer
@@ -43,3 +46,58 @@ def test_held_back_prefix_is_released_when_no_stop_follows(tokenizer):
     out = "".join(d.add(t) for t in ids)
     assert not out.endswith("ST")  # could still become STOP
     assert out + d.flush() == "value ST"
+
+
+class CharTokenizer:
+    """Token id i is the character chr(i): stop matching without a real vocabulary."""
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def reference_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """The text up to the first stop string to end in it (the longest of those ending there), by brute force."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stop if text[:end].endswith(s)]
+        if ending:
+            return text[:end - max(map(len, ending))], True
+    return text, False
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_stop_matching_agrees_with_brute_force(seed):
+    rng = random.Random(seed)
+    stop = ["".join(rng.choices("ab", k=rng.randint(1, 5))) for _ in range(rng.randint(1, 4))]
+    text = "".join(rng.choices("abc", k=rng.randint(0, 30)))
+    d = IncrementalDetokenizer(CharTokenizer(), [], stop)
+    out = ""
+    for ch in text:
+        out += d.add(ord(ch))
+        # Held back: exactly the longest tail that could still grow into a stop string.
+        held = max((k for s in stop for k in range(1, len(s)) if d.text.endswith(s[:k])), default=0)
+        assert d.stopped or len(out) == len(d.text) - held
+        if d.stopped:
+            break
+    expected, stopped = reference_stop(text, stop)
+    assert (d.stopped, out if stopped else out + d.flush()) == (stopped, expected)
+
+
+def test_stop_matching_work_per_token_does_not_grow_with_the_stop_strings_length():
+    """16 stop strings whose starts the output keeps matching; work counted in calls (Python and builtin, as the
+    profiler sees them), the same for strings of 100 or 4,000 characters: no prefix is compared per token."""
+    def calls(length: int) -> int:
+        d = IncrementalDetokenizer(CharTokenizer(), [], ["a" * (length - 1) + chr(ord("b") + i) for i in range(16)])
+        count = 0
+
+        def profile(frame, event, arg):
+            nonlocal count
+            count += 1
+        sys.setprofile(profile)
+        try:
+            out = "".join(d.add(ord("a")) for _ in range(300))
+        finally:
+            sys.setprofile(None)
+        assert out == "" and d.flush() == "a" * 300
+        return count
+    assert calls(4000) == calls(400)

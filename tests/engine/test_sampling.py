@@ -98,6 +98,7 @@ def test_penalised_greedy_avoids_repeated_token():
 @pytest.mark.parametrize("kw", [
     {"temperature": -1}, {"temperature": math.nan}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1},
     {"min_p": 2}, {"max_tokens": 0}, {"repetition_penalty": 0}, {"presence_penalty": 3}, {"stop": [""]},
+    {"stop": ["x" * 1025]}, {"stop": ["s"] * 17},
 ])
 def test_invalid_parameters_raise_typed_error(kw):
     with pytest.raises(InvalidRequestError):

@@ -124,6 +124,26 @@ def test_garbage_file_raises_model_file_error(tmp_path, content):
         load_model(path)
 
 
+def with_u32_metadata(data: bytes, key: str, value: int) -> bytes:
+    """`data` (a GGUF file) with the uint32 metadata value under `key` replaced."""
+    entry = struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", 4)  # 4: GGUF's uint32 type
+    at = data.index(entry) + len(entry)
+    return data[:at] + struct.pack("<I", value) + data[at + 4:]
+
+
+@pytest.mark.parametrize("key, value", [
+    ("llama.attention.head_count", 0),  # a division by zero
+    ("llama.attention.head_count_kv", 3),  # 4 heads cannot share 3
+    ("llama.feed_forward_length", 2**31),  # 2 TB of parameters from a file of 400 KB
+    ("llama.embedding_length", 2**31 - 1),  # sizes no tensor can have
+])
+def test_metadata_that_describes_no_model_of_the_file_raises_model_file_error(tmp_path, key, value):
+    path = tmp_path / "bad-metadata.gguf"
+    path.write_bytes(with_u32_metadata(checkpoint("llama").gguf_path.read_bytes(), key, value))
+    with pytest.raises(ModelFileError):
+        load_model(path)
+
+
 def test_unknown_gguf_architecture_raises_unsupported_model_error(tmp_path):
     path = tmp_path / "foo.gguf"
     write_gguf(checkpoint("llama").model, path, "foo")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fastdecode.parallel.group import init_group
 
 WORLD = 2
 
@@ -24,7 +25,7 @@ def free_port() -> int:
 def _run(rank: int, port: int, fn, args, out: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    init_group(WORLD, timeout_s=60)  # the rendezvous users get
     try:
         result = fn(rank, *args)
         if rank == 0:

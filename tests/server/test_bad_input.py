@@ -98,8 +98,9 @@ def test_missing_or_wrong_api_key_is_401(server, http, headers):
     assert server.healthy()
 
 
-def test_health_and_schema_need_no_key(http):
-    assert http.get("/health").status_code == 200 and http.get("/openapi.json").json()["paths"]
+def test_health_needs_no_key_and_the_schema_does(http):
+    assert http.get("/health").status_code == 200 and http.get("/openapi.json", headers=AUTH).json()["paths"]
+    assert_openai_error(http.get("/openapi.json"), 401)
 
 
 def test_unknown_route_and_wrong_method_are_openai_errors(http):

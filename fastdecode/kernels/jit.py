@@ -1,0 +1,160 @@
+"""The one JIT builder for fastdecode's C++ modules, over torch.utils.cpp_extension.load.
+
+Each build lives in $FASTDECODE_HOME/kernels/<name>-<key>, the key a hash of the sources, flags, compiler, torch and
+Python versions: a checkout never rebuilds another's module or imports a `.so` built from other sources. The
+folders must be the user's own and writable by nobody else, since whatever lies there is loaded into the process.
+A build holds a lock naming its host and pid; a lock whose process is gone, or that is older than any build takes,
+is broken, so a build killed mid-way cannot make later starts wait forever.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Plain AVX2 flags, not -march=native: a cached build must also run on another CPU of the machine pool.
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+STALE_LOCK_S = 30 * 60  # a build takes 30-90 s on 2 cores; a lock this old belongs to a build that died
+POLL_S = 0.5
+
+
+class NativeBuildError(RuntimeError):
+    """A native module cannot be had and FASTDECODE_REQUIRE_NATIVE=1 says that is a failure (CI)."""
+
+
+def native_enabled() -> bool:
+    return (os.environ.get("FASTDECODE_NATIVE_KERNELS", "1") != "0"
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
+def native_required() -> bool:
+    return os.environ.get("FASTDECODE_REQUIRE_NATIVE") == "1"
+
+
+def build(name: str, sources: list[Path], fallback: str):
+    """The compiled module, or None (with a warning that says what callers do instead, `fallback`) where native
+    kernels are off or cannot be built; with FASTDECODE_REQUIRE_NATIVE=1, NativeBuildError instead of None."""
+    try:
+        if not native_enabled():
+            raise NativeBuildError("native kernels are off (FASTDECODE_NATIVE_KERNELS=0) or the CPU lacks AVX2")
+        from torch.utils.cpp_extension import load
+
+        from fastdecode.loading.catalog import fastdecode_home
+
+        directory = private_dir(fastdecode_home() / "kernels" / f"{name}-{build_key(sources, FLAGS + LDFLAGS)}")
+        with build_lock(directory):
+            return load(name, [str(s) for s in sources], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+                        build_directory=str(directory))
+    except Exception as e:  # no compiler, no ninja, a compile error, an unsafe folder: PyTorch's kernels still work
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if native_required():
+            raise NativeBuildError(f"{name}: {reason} (FASTDECODE_REQUIRE_NATIVE=1)") from e
+        if native_enabled():
+            log.warning("fastdecode: %s unavailable, %s (%s)", name, fallback, reason)
+        return None
+
+
+def build_key(sources: list[Path], flags: list[str]) -> str:
+    """The sources and the headers beside them (their names and bytes), the flags and the toolchain, hashed."""
+    files = sorted({*sources, *(h for s in sources for h in s.parent.glob("*.h"))})
+    h = hashlib.sha256()
+    for part in [*flags, compiler_version(), torch.__version__, sys.version]:
+        h.update(part.encode() + b"\0")
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compiler_version() -> str:
+    """What torch compiles with ($CXX, else c++), as it reports itself."""
+    try:
+        return subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True,
+                              timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "no compiler"
+
+
+def private_dir(directory: Path) -> Path:
+    """`directory` ($FASTDECODE_HOME/kernels/NAME-KEY), made if missing; raises unless it and kernels/ are the user's
+    and writable by nobody else, and the home is not writable by everyone: whoever can write in any of them chooses
+    the code this process loads. (The home may be group-writable: umask 002 makes it so under user-private groups.)"""
+    kernels, home = directory.parent, directory.parent.parent
+    home.mkdir(parents=True, exist_ok=True)
+    for path in (kernels, directory):
+        path.mkdir(mode=0o700, exist_ok=True)
+    for path, writers in ((home, stat.S_IWOTH), (kernels, stat.S_IWGRP | stat.S_IWOTH),
+                          (directory, stat.S_IWGRP | stat.S_IWOTH)):
+        st = path.stat()
+        if (path != home and st.st_uid != os.getuid()) or st.st_mode & writers:
+            raise NativeBuildError(f"refusing to build or load native kernels in {path}: it must be yours and not "
+                                   "writable by others (chmod go-w)")
+    return directory
+
+
+@contextmanager
+def build_lock(directory: Path):
+    """Holds `directory`/build.lock ("host pid") while torch builds or loads there, breaking a stale one."""
+    lock = directory / "build.lock"
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            if stale(lock):
+                log.warning("fastdecode: breaking the stale build lock %s", lock)
+                break_lock(lock)
+            else:
+                time.sleep(POLL_S)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+        break
+    try:
+        # torch's own lock, left by a build killed inside load(): every build here holds ours first, so it is stale.
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def stale(lock: Path) -> bool:
+    try:
+        host, _, pid = lock.read_text().partition(" ")
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:  # released meanwhile: try again
+        return False
+    if age > STALE_LOCK_S:
+        return True
+    return host == socket.gethostname() and pid.strip().isdigit() and not alive(int(pid))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def break_lock(lock: Path):
+    """Renames before deleting, so that of several processes breaking the same lock one succeeds and none deletes
+    a fresh lock another has just taken."""
+    aside = lock.with_name(f"{lock.name}.stale-{os.getpid()}")
+    try:
+        os.rename(lock, aside)
+    except FileNotFoundError:
+        return
+    aside.unlink(missing_ok=True)

@@ -1,0 +1,36 @@
+"""The server app in-process over stub engines: for checks that answer before a request reaches the engine
+(validation, authentication, Host header) or that need the engine to fail, without loading a model."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from starlette.testclient import TestClient
+
+from fastdecode.engine.llm import StreamChunk
+from fastdecode.server.app import create_app
+from fastdecode.server.config import ServerConfig
+
+MODEL = "stub"
+SECRET = "/home/someone/private/state.bin"  # what an engine's exception may say and a client must never see
+
+
+class UnreachableLLM:
+    name = MODEL
+    max_seq_len = 64
+    config = SimpleNamespace(vocab_size=100)
+
+    def __getattr__(self, attribute):
+        raise AssertionError(f"the request reached the engine ({attribute})")
+
+
+class MidStreamFailureLLM(UnreachableLLM):
+    """Generates one token of a token-id prompt, then fails as a bug or a lost tensor-parallel rank would."""
+    tokenizer = None
+
+    def stream(self, prompt_ids, params, logits_processor=None):
+        yield StreamChunk("hi", [1])
+        raise RuntimeError(f"cannot read {SECRET}")
+
+
+def stub_client(llm=None, base_url: str = "http://127.0.0.1:8000", **config) -> TestClient:
+    return TestClient(create_app(llm or UnreachableLLM(), ServerConfig(**config)), base_url=base_url)

@@ -1,0 +1,69 @@
+"""Request validation that answers before the prompt is tokenized: limits named in a 400 in OpenAI's error shape."""
+import pytest
+
+from fastdecode.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from fastdecode.server.schemas import ChatCompletionRequest
+from tests.server.stub import MODEL, stub_client
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def http():
+    with stub_client() as client:
+        yield client
+
+
+def test_a_single_stop_string_longer_than_16_characters_is_accepted():
+    body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": MESSAGES, "stop": "x" * 40})
+    assert body.stop == "x" * 40
+
+
+@pytest.mark.parametrize("stop", ["x" * (MAX_STOP_CHARS + 1), ["ok", "x" * (MAX_STOP_CHARS + 1)],
+                                  ["s"] * (MAX_STOP_STRINGS + 1)])
+def test_stop_over_the_limits_is_a_400_naming_them(http, stop):
+    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "stop": stop})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "stop" and str(MAX_STOP_CHARS) in error["message"]
+
+
+def post(http, **fields):
+    return http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, **fields})
+
+
+def tool(parameters):
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+def deep(depth: int):
+    value = {}
+    for _ in range(depth):
+        value = {"items": value}
+    return value
+
+
+CASES = {  # name: (fields, the parameter the error names, a word the message holds)
+    "required a number": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {}}, "required": 5}}}},
+        "response_format.json_schema", "required"),
+    "required true in a forced tool": ({"tools": [tool({"type": "object", "properties": {}, "required": True})],
+                                        "tool_choice": "required"}, "tools.0.function.parameters", "required"),
+    "schema too deep": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                     "schema": deep(40)}}},
+                        "response_format.json_schema", "32"),
+    "too many properties": ({"tools": [tool({"properties": {f"k{i}": {} for i in range(1001)}})]},
+                            "tools.0.function.parameters", "1000"),
+    "too many logit_bias entries": ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "1024"),
+    "too many tools": ({"tools": [tool({})] * 129}, "tools", "128"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_schema_and_bias_over_the_limits_or_malformed_are_a_400_naming_them(http, name):
+    fields, param, word = CASES[name]
+    response = post(http, **fields)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and word in error["message"], error
