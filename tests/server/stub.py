@@ -18,6 +18,7 @@ class UnreachableLLM:
     name = MODEL
     max_seq_len = 64
     config = SimpleNamespace(vocab_size=100)
+    engine = None  # no batching engine: the server gives it one slot
 
     def __getattr__(self, attribute):
         raise AssertionError(f"the request reached the engine ({attribute})")
