@@ -15,12 +15,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from fastdecode.errors import FastdecodeError
+from fastdecode.server.anthropic.routes import messages_routes
 from fastdecode.server.config import ServerConfig
-from fastdecode.server.errors import ApiError, error_body, install_error_handlers
+from fastdecode.server.errors import ApiError, install_error_handlers
 from fastdecode.server.limits import BodyLimit, bearer_check
 from fastdecode.server.metrics import CountRequests, Metrics
 from fastdecode.server.prepare import EngineRequest, ServedModel, chat_request, completion_request
-from fastdecode.server.protocol import DONE, ChatFormatter, TextFormatter, sse
+from fastdecode.server.protocol import ChatFormatter, TextFormatter
 from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler
 from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -129,18 +130,19 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
     async def events(run: Run, fmt, first, chunks):
         try:
             for c in fmt.start():
-                yield sse(c)
+                yield fmt.sse(c)
             chunk = first
             while chunk is not None:
                 for c in fmt.add(chunk):
-                    yield sse(c)
+                    yield fmt.sse(c)
                 fmt.completion = chunk.completion or fmt.completion
                 chunk = await anext(chunks, None)
             for c in fmt.finish(fmt.completion, run.end, run.queue_s):
-                yield sse(c)
-            yield DONE
-        except Exception as e:  # the engine failed mid-stream; OpenAI's clients raise on an error event
-            yield sse(error_body(400 if isinstance(e, FastdecodeError) else 500, str(e) or type(e).__name__))
+                yield fmt.sse(c)
+            for c in fmt.sse_end():
+                yield c
+        except Exception as e:  # the engine failed mid-stream; the SDKs raise on an error event
+            yield fmt.sse_error(400 if isinstance(e, FastdecodeError) else 500, str(e) or type(e).__name__)
         finally:
             finished(run, fmt)
 
@@ -168,6 +170,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
             if not task.done():
                 task.cancel()
 
+    app.include_router(messages_routes(served, answer, auth))  # Anthropic's Messages API
     return app
 
 

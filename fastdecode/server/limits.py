@@ -1,4 +1,4 @@
-"""Request guards that act before a route runs: the body size limit and the bearer API key."""
+"""Request guards that act before a route runs: the body size limit and the API key."""
 from __future__ import annotations
 
 import hmac
@@ -7,7 +7,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from fastdecode.server.errors import ApiError, error_body
+from fastdecode.server.errors import ApiError, error_body_for
 
 
 class BodyLimit:
@@ -22,7 +22,8 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            response = JSONResponse(error_body(413, f"the request body is over {self.max_bytes} bytes"), 413)
+            response = JSONResponse(error_body_for(scope.get("path", ""), 413,
+                                                   f"the request body is over {self.max_bytes} bytes"), 413)
             return await response(scope, receive, send)
         received = 0
 
@@ -39,14 +40,17 @@ class BodyLimit:
 
 
 def bearer_check(api_key: str | None):
-    """A route dependency: 401 unless `Authorization: Bearer <api_key>` (compared in constant time)."""
+    """A route dependency: 401 unless `Authorization: Bearer <api_key>` or, as Anthropic's clients send it,
+    `x-api-key: <api_key>` (compared in constant time)."""
     def check(request: Request):
         if api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            raise ApiError(401, "Missing API key: send it as `Authorization: Bearer <key>`", code="missing_api_key")
-        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+        given = [key.strip() for key in (bearer if scheme.lower() == "bearer" else "",
+                                         request.headers.get("x-api-key", "")) if key.strip()]
+        if not given:
+            raise ApiError(401, "Missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`",
+                           code="missing_api_key")
+        if not any(hmac.compare_digest(key.encode(), api_key.encode()) for key in given):
             raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
     return check

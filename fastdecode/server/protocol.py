@@ -10,6 +10,7 @@ import json
 import secrets
 import time
 
+from fastdecode.server.errors import error_body
 from fastdecode.server.tools import ToolCallParser
 
 DONE = "data: [DONE]\n\n"
@@ -23,6 +24,13 @@ def sse(obj: dict) -> str:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def cached_tokens(completion) -> int:
+    """Prompt tokens the engine did not prefill because its prefix cache held them (0 until it has one)."""
+    if completion is None:
+        return 0
+    return getattr(completion.timings, "cached_tokens", None) or getattr(completion, "cached_tokens", 0) or 0
 
 
 def speed(queue_s: float, completion, end: str | None) -> dict:
@@ -57,6 +65,17 @@ class Formatter:
         self.entries: list[dict] = []  # engine logprob entries, all of them
         self.sent = 0  # entries already attached to a chunk
         self.completion = None  # the engine's Completion, once the last chunk came
+
+    # How the stream is written: OpenAI's chat and text completions are bare `data:` lines ended by [DONE]; the
+    # Messages and Responses APIs override these to name each event.
+    def sse(self, event: dict) -> str:
+        return sse(event)
+
+    def sse_end(self) -> list[str]:
+        return [DONE]
+
+    def sse_error(self, status: int, message: str) -> str:
+        return sse(error_body(status, message))
 
     def chunk(self, choices: list[dict], **extra) -> dict:
         out = {"id": self.id, "object": f"{self.object_name}.chunk" if self.object_name == "chat.completion"

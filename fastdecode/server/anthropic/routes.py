@@ -1,0 +1,32 @@
+"""POST /v1/messages and /v1/messages/count_tokens. `answer` is the app's: the same queue, disconnect handling and
+metrics as Chat Completions. Query strings such as Claude Code's `?beta=true` and the anthropic-version and
+anthropic-beta headers are accepted and change nothing."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from fastdecode.server.anthropic.convert import count_tokens, messages_job
+from fastdecode.server.anthropic.formatter import MessagesFormatter
+from fastdecode.server.anthropic.schemas import MessagesInput, MessagesRequest
+from fastdecode.server.prepare import ServedModel
+
+
+def messages_routes(served: ServedModel, answer, dependencies: list) -> APIRouter:
+    router = APIRouter(dependencies=dependencies)
+
+    @router.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        served.check_model(body.model)
+        prepared = await run_in_threadpool(messages_job, body, served)
+        job = prepared.job
+        fmt = MessagesFormatter(served.id, served.llm.tokenizer, len(job.prompt_ids), job.tool_names,
+                                body.stop_sequences, prepared.clamped)
+        return await answer(request, job, fmt, bool(body.stream))
+
+    @router.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: MessagesInput):
+        served.check_model(body.model)
+        return {"input_tokens": await run_in_threadpool(count_tokens, body, served)}
+
+    return router
