@@ -22,6 +22,7 @@ from fastdecode.server.limits import BodyLimit, bearer_check
 from fastdecode.server.metrics import CountRequests, Metrics
 from fastdecode.server.prepare import EngineRequest, ServedModel, chat_request, completion_request
 from fastdecode.server.protocol import ChatFormatter, TextFormatter
+from fastdecode.server.responses.routes import responses_routes
 from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler
 from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -171,6 +172,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
                 task.cancel()
 
     app.include_router(messages_routes(served, answer, auth))  # Anthropic's Messages API
+    app.include_router(responses_routes(served, answer, auth))  # OpenAI's Responses API, stateless
     return app
 
 

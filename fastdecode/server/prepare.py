@@ -9,6 +9,8 @@ from typing import Callable
 
 import torch
 
+from pydantic import ValidationError
+
 from fastdecode.engine.constraints import GrammarProcessor, TokenTexts, json_object_grammar
 from fastdecode.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from fastdecode.errors import FastdecodeError
@@ -47,6 +49,15 @@ class ServedModel:
         if self._texts is None:
             self._texts = TokenTexts.from_tokenizer(self.llm.tokenizer)
         return self._texts
+
+
+def as_chat_request(fields: dict) -> ChatCompletionRequest:
+    """Another API's request, converted into Chat Completions fields, as a checked ChatCompletionRequest."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:  # the other API's schema admitted something Chat Completions does not
+        first = e.errors()[0]
+        raise ApiError(400, f"{first['msg']} at {'.'.join(str(p) for p in first['loc'])}") from None
 
 
 @dataclass

@@ -121,9 +121,9 @@ def test_count_tokens_matches_the_prompt_of_a_request(claude):
 def test_claude_codes_extra_fields_headers_and_beta_path_are_accepted(claude):
     m = claude.beta.messages.create(  # POST /v1/messages?beta=true with an anthropic-beta header
         model=MODEL, max_tokens=4, messages=HELLO, metadata={"user_id": "u1"},
-        betas=["interleaved-thinking-2025-05-14"], thinking={"type": "enabled", "budget_tokens": 1024},
-        output_config={"effort": "low"},
-        extra_body={"temperature": 0, "top_p": 0.9, "top_k": 40, "context_management": {"edits": []}})
+        betas=["interleaved-thinking-2025-05-14"],
+        extra_body={"temperature": 0, "top_p": 0.9, "top_k": 40, "thinking": {"type": "enabled", "budget_tokens": 1024},
+                    "context_management": {"edits": []}, "output_config": {"effort": "low"}})
     assert m.usage.output_tokens > 0
 
 

@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pydantic import ValidationError
-
 from fastdecode.server.anthropic.schemas import Message, MessagesInput, MessagesRequest, TextBlock, ToolChoice
 from fastdecode.server.errors import ApiError
-from fastdecode.server.prepare import EngineRequest, ServedModel, chat_prompt, chat_request
+from fastdecode.server.prepare import EngineRequest, ServedModel, as_chat_request, chat_prompt, chat_request
 from fastdecode.server.schemas import ChatCompletionRequest
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -50,11 +48,7 @@ def chat_body(body: MessagesInput) -> ChatCompletionRequest:
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, ignore_eos=body.ignore_eos)
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as e:  # our schema admits what Chat Completions does; this names the odd case
-        first = e.errors()[0]
-        raise ApiError(400, f"{first['msg']} at {'.'.join(str(p) for p in first['loc'])}") from None
+    return as_chat_request(fields)
 
 
 def tool_choice(choice: ToolChoice):

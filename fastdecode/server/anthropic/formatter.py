@@ -7,12 +7,8 @@ import json
 import secrets
 
 from fastdecode.server.errors import anthropic_error_body
-from fastdecode.server.protocol import Formatter, cached_tokens, speed
+from fastdecode.server.protocol import Formatter, cached_tokens, named_sse, speed
 from fastdecode.server.tools import ToolCallParser
-
-
-def named_sse(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 class MessagesFormatter(Formatter):
@@ -27,7 +23,6 @@ class MessagesFormatter(Formatter):
         self.clamped = clamped
         self.blocks: list[dict] = []
         self.text_open = False  # the last block is text that may still grow
-        self.stop: tuple[str, str | None] | None = None  # (stop_reason, stop_sequence), once finished
 
     def sse(self, event: dict) -> str:
         return named_sse(event)
@@ -51,16 +46,15 @@ class MessagesFormatter(Formatter):
     def finish(self, completion, end: str | None, queue_s: float) -> list[dict]:
         self.settle(completion)
         out = self._blocks(self.parser.finish() if self.parser else []) + self._close_text()
-        self.stop = self.stop_reason(completion, end)
-        return out + [{"type": "message_delta", "delta": {"stop_reason": self.stop[0], "stop_sequence": self.stop[1]},
+        reason, sequence = self.stop_reason(completion, end)
+        return out + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                        "usage": self.usage(completion), "fastdecode": speed(queue_s, completion, end)},
                       {"type": "message_stop"}]
 
     def response(self, completion, end: str | None, queue_s: float) -> dict:
-        self.finish(completion, end, queue_s)
+        last = self.finish(completion, end, queue_s)[-2]
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.blocks,
-                "stop_reason": self.stop[0], "stop_sequence": self.stop[1], "usage": self.usage(completion),
-                "fastdecode": speed(queue_s, completion, end)}
+                **last["delta"], "usage": last["usage"], "fastdecode": last["fastdecode"]}
 
     def usage(self, completion) -> dict:
         """Anthropic counts cache reads apart from input_tokens: the prompt is their sum."""
