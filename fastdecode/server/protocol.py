@@ -58,7 +58,8 @@ class Formatter:
     """Shared state of one response: ids, token count, log-probabilities waiting for a chunk to ride on."""
     object_name = ""
 
-    def __init__(self, model: str, tokenizer, prompt_tokens: int, logprobs: bool, include_usage: bool):
+    def __init__(self, model: str, tokenizer, prompt_tokens: int, logprobs: bool, include_usage: bool,
+                 tool_names: list[str] | None = None):
         self.id = f"{self.prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.model = model
@@ -70,6 +71,7 @@ class Formatter:
         self.entries: list[dict] = []  # engine logprob entries, all of them
         self.sent = 0  # entries already attached to a chunk
         self.completion = None  # the engine's Completion, once the last chunk came
+        self.parser = ToolCallParser(tool_names) if tool_names else None  # None: the reply is plain text
 
     # How the stream is written: OpenAI's chat and text completions are bare `data:` lines ended by [DONE]; the
     # Messages and Responses APIs override these to name each event.
@@ -96,6 +98,17 @@ class Formatter:
         if self.logprobs and chunk.logprobs:
             self.entries += chunk.logprobs
 
+    def reply_events(self, chunk) -> list[tuple[str, object]]:
+        """Counts the chunk; its text as ("content", text) and ("tool_call", call) events, in order."""
+        self.count(chunk)
+        if self.parser is None:
+            return [("content", chunk.text)] if chunk.text else []
+        return self.parser.feed(chunk.text)
+
+    def last_reply_events(self) -> list[tuple[str, object]]:
+        """What the parser held back, once the reply is over."""
+        return self.parser.finish() if self.parser else []
+
     def settle(self, completion):
         """At the end: the engine's count is the truth (a token that completes a stop string is not streamed)."""
         if completion is not None:
@@ -121,9 +134,8 @@ class Formatter:
 class ChatFormatter(Formatter):
     prefix, object_name = "chatcmpl", "chat.completion"
 
-    def __init__(self, *args, tool_names: list[str] | None = None, **kw):
+    def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.parser = ToolCallParser(tool_names) if tool_names else None
         self.content: list[str] = []
         self.tool_calls: list[dict] = []
 
@@ -131,13 +143,11 @@ class ChatFormatter(Formatter):
         return [self.chunk([self._choice({"role": "assistant", "content": "", "refusal": None})])]
 
     def add(self, chunk) -> list[dict]:
-        self.count(chunk)
-        events = self.parser.feed(chunk.text) if self.parser else [("content", chunk.text)] if chunk.text else []
-        return [self.chunk([c]) for c in self._choices(events)]
+        return [self.chunk([c]) for c in self._choices(self.reply_events(chunk))]
 
     def finish(self, completion, end: str | None, queue_s: float) -> list[dict]:
         self.settle(completion)
-        out = [self.chunk([c]) for c in self._choices(self.parser.finish() if self.parser else [])]
+        out = [self.chunk([c]) for c in self._choices(self.last_reply_events())]
         last = self._choice({}, self.finish_reason(completion, end))
         if self.logprobs and self.sent < len(self.entries):
             last["logprobs"] = {"content": self._logprobs(self.unsent())}

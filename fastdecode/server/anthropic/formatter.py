@@ -8,7 +8,6 @@ import secrets
 
 from fastdecode.server.errors import anthropic_error_body
 from fastdecode.server.protocol import Formatter, cached_tokens, named_sse, speed
-from fastdecode.server.tools import ToolCallParser
 
 
 class MessagesFormatter(Formatter):
@@ -16,9 +15,8 @@ class MessagesFormatter(Formatter):
 
     def __init__(self, model: str, tokenizer, prompt_tokens: int, tool_names: list[str] | None,
                  stop_sequences: list[str] | None, clamped: bool):
-        super().__init__(model, tokenizer, prompt_tokens, logprobs=False, include_usage=False)
+        super().__init__(model, tokenizer, prompt_tokens, logprobs=False, include_usage=False, tool_names=tool_names)
         self.id = f"msg_{secrets.token_hex(12)}"
-        self.parser = ToolCallParser(tool_names) if tool_names else None
         self.stop_sequences = stop_sequences or []
         self.clamped = clamped
         self.blocks: list[dict] = []
@@ -39,13 +37,11 @@ class MessagesFormatter(Formatter):
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
     def add(self, chunk) -> list[dict]:
-        self.count(chunk)
-        events = self.parser.feed(chunk.text) if self.parser else [("content", chunk.text)] if chunk.text else []
-        return self._blocks(events)
+        return self._blocks(self.reply_events(chunk))
 
     def finish(self, completion, end: str | None, queue_s: float) -> list[dict]:
         self.settle(completion)
-        out = self._blocks(self.parser.finish() if self.parser else []) + self._close_text()
+        out = self._blocks(self.last_reply_events()) + self._close_text()
         reason, sequence = self.stop_reason(completion, end)
         return out + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                        "usage": self.usage(completion), "fastdecode": speed(queue_s, completion, end)},

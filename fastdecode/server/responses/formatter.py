@@ -8,7 +8,6 @@ import secrets
 
 from fastdecode.server.protocol import Formatter, cached_tokens, named_sse, speed
 from fastdecode.server.responses.schemas import ResponsesRequest
-from fastdecode.server.tools import ToolCallParser
 
 
 class ResponsesFormatter(Formatter):
@@ -16,9 +15,8 @@ class ResponsesFormatter(Formatter):
 
     def __init__(self, model: str, tokenizer, prompt_tokens: int, tool_names: list[str] | None,
                  body: ResponsesRequest):
-        super().__init__(model, tokenizer, prompt_tokens, logprobs=False, include_usage=False)
+        super().__init__(model, tokenizer, prompt_tokens, logprobs=False, include_usage=False, tool_names=tool_names)
         self.id = f"resp_{secrets.token_hex(12)}"
-        self.parser = ToolCallParser(tool_names) if tool_names else None
         self.request = {  # what a response echoes of its request
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
@@ -47,13 +45,11 @@ class ResponsesFormatter(Formatter):
         return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
 
     def add(self, chunk) -> list[dict]:
-        self.count(chunk)
-        events = self.parser.feed(chunk.text) if self.parser else [("content", chunk.text)] if chunk.text else []
-        return self._output(events)
+        return self._output(self.reply_events(chunk))
 
     def finish(self, completion, end: str | None, queue_s: float) -> list[dict]:
         self.settle(completion)
-        out = self._output(self.parser.finish() if self.parser else []) + self._close_text()
+        out = self._output(self.last_reply_events()) + self._close_text()
         final = self.response_object(self.status(completion, end), completion)
         final["fastdecode"] = speed(queue_s, completion, end)
         return out + [self._event(f"response.{final['status']}", response=final)]
