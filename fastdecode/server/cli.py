@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 
 import click
 
@@ -44,6 +45,8 @@ def serve(host, port, api_key, served_model_name, max_queue, request_timeout, ma
         err.print(f"[yellow]warning: serving on {host} without an API key: anyone who reaches the port can use "
                   "the model[/yellow]")
     llm = build_llm(**engine)
+    # Our own lines (what each agent request holds) beside uvicorn's, at the same level.
+    logging.basicConfig(format="%(levelname)-9s %(name)s: %(message)s", level=log_level.upper())
     app = create_app(llm, config)
     err.print(f"[cyan]{app.state.served.id} on http://{host}:{port}/v1 "
               f"(speculate {llm.speculate}, queue {max_queue}{', API key required' if config.api_key else ''})[/cyan]")

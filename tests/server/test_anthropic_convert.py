@@ -66,3 +66,11 @@ def test_bad_conversations_are_400(messages):
     with pytest.raises(ApiError) as e:
         convert(messages=messages)
     assert e.value.status == 400
+
+
+def test_mid_conversation_system_message_stays_in_place_as_user_text():
+    """Claude Code's `mid-conversation-system` beta puts a system message after the first user turn."""
+    body = convert(system="top", messages=[{"role": "user", "content": "task"},
+                                           {"role": "system", "content": [{"type": "text", "text": "agents: ..."}]}])
+    assert [(m.role, m.content) for m in body.messages] == [("system", "top"), ("user", "task"),
+                                                          ("user", "agents: ...")]

@@ -76,6 +76,8 @@ def conversation(messages: list[Message]) -> list[dict]:
             raise ApiError(400, f"messages.{i}: content is empty")
         if m.role == "assistant":
             out.append(assistant_message(i, blocks, tool_use_ids))
+        elif m.role == "system":  # said to the model at that point: a user turn keeps it there in any template
+            out.append({"role": "user", "content": "\n".join(text_blocks(i, blocks))})
         else:
             out += user_messages(i, blocks, tool_use_ids)
     return out
@@ -121,8 +123,12 @@ def user_messages(i: int, blocks, tool_use_ids: set[str]) -> list[dict]:
 def result_text(i: int, content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    for b in content:
+    return "\n".join(text_blocks(i, content))
+
+
+def text_blocks(i: int, blocks) -> list[str]:
+    """The texts of blocks that may only be text (a tool result's, a system message's)."""
+    for b in blocks:
         if b.type != "text":
-            raise ApiError(400, f"messages.{i}: `{b.type}` blocks in a tool_result are not supported: this server "
-                                "reads text")
-    return "\n".join(b.text for b in content)
+            raise ApiError(400, f"messages.{i}: `{b.type}` blocks are not supported here: this server reads text")
+    return [b.text for b in blocks]

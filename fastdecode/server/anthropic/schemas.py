@@ -44,7 +44,7 @@ Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, Th
 
 
 class Message(Lenient):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: Claude Code's mid-conversation system messages (beta)
     content: str | list[Block]
 
 
