@@ -61,9 +61,10 @@ class MessagesFormatter(Formatter):
     def stop_reason(self, completion, end: str | None) -> tuple[str, str | None]:
         if any(b["type"] == "tool_use" for b in self.blocks):
             return "tool_use", None
-        if completion is None or end == "timeout" or completion.finish_reason == "length":
-            return ("model_context_window_exceeded" if self.clamped and end != "timeout" and completion is not None
-                    else "max_tokens"), None
+        if completion is None or end == "timeout":  # cut by the request's time limit
+            return "max_tokens", None
+        if completion.finish_reason == "length":
+            return "model_context_window_exceeded" if self.clamped else "max_tokens", None
         matched = self.matched_stop(completion)
         return ("stop_sequence", matched) if matched is not None else ("end_turn", None)
 
