@@ -54,7 +54,7 @@ def free_port() -> int:
 
 def start_server(model: str, port: int, threads: int, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "fastdecode.server", "-m", model, "--port", str(port), "--quant", "int4",
-               "--threads", str(threads), "--max-seq-len", "32768", "--log-level", "info"]
+               "--threads", str(threads), "--max-seq-len", "32768", "--request-timeout", "3600", "--log-level", "info"]
     with log.open("wb") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 600  # the first start may build the native kernels
@@ -77,6 +77,10 @@ def claude_env(home: Path, port: int, model: str) -> dict:
             "ANTHROPIC_API_KEY": "local", "ANTHROPIC_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
             "ANTHROPIC_DEFAULT_SONNET_MODEL": model, "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
             "ANTHROPIC_SMALL_FAST_MODEL": model, "API_TIMEOUT_MS": "1800000",
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "512",  # a tiny model may ramble to the end of its context
+            # Claude Code aborts and resends a stream that is silent for 5 minutes, and no byte goes out before
+            # the first token: a 20k-token prefill on a busy CPU takes longer.
+            "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000", "CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": "1800000",
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1"}
 
 
@@ -85,7 +89,7 @@ def main():
     parser.add_argument("--model", default="gemma3-270m")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds Claude Code may take")
-    parser.add_argument("--max-turns", type=int, default=2)
+    parser.add_argument("--max-turns", type=int, default=1, help="1: one request, enough to check the protocol")
     args = parser.parse_args()
 
     claude = install_claude(cache_dir())
