@@ -27,6 +27,7 @@ from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler
 from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+PENDING = object()  # a stream's first chunk, not yet come
 
 
 class ClientGone(Exception):
@@ -102,6 +103,10 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
         chunks = run.chunks()
         handed_off = False
         try:
+            if stream and fmt.early_start:  # Messages, Responses: headers and keep-alives before the first token
+                handed_off = True
+                return StreamingResponse(events(run, fmt, PENDING, chunks), media_type="text/event-stream",
+                                         headers=SSE_HEADERS)
             first = await until_disconnected(request, anext(chunks, None))
             if stream:
                 handed_off = True
@@ -129,10 +134,17 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
         return fmt.completion
 
     async def events(run: Run, fmt, first, chunks):
+        """`first` is PENDING for a stream started before its first token: keep-alive events until it comes."""
+        waiting = None
         try:
             for c in fmt.start():
                 yield fmt.sse(c)
             chunk = first
+            if chunk is PENDING:
+                waiting = asyncio.ensure_future(anext(chunks, None))
+                while not (await asyncio.wait({waiting}, timeout=config.keepalive_s))[0]:
+                    yield fmt.sse(fmt.keepalive())
+                chunk = waiting.result()
             while chunk is not None:
                 for c in fmt.add(chunk):
                     yield fmt.sse(c)
@@ -143,8 +155,11 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
             for c in fmt.sse_end():
                 yield c
         except Exception as e:  # the engine failed mid-stream; the SDKs raise on an error event
-            yield fmt.sse_error(400 if isinstance(e, FastdecodeError) else 500, str(e) or type(e).__name__)
+            status = 400 if isinstance(e, FastdecodeError) else 503 if isinstance(e, QueueTimeout) else 500
+            yield fmt.sse_error(status, str(e) or type(e).__name__)
         finally:
+            if waiting is not None and not waiting.done():
+                waiting.cancel()
             finished(run, fmt)
 
     def finished(run: Run, fmt):

@@ -73,8 +73,15 @@ class Formatter:
         self.completion = None  # the engine's Completion, once the last chunk came
         self.parser = ToolCallParser(tool_names) if tool_names else None  # None: the reply is plain text
 
-    # How the stream is written: OpenAI's chat and text completions are bare `data:` lines ended by [DONE]; the
-    # Messages and Responses APIs override these to name each event.
+    # How the stream is written: OpenAI's chat and text completions are bare `data:` lines ended by [DONE], and start
+    # with the first token, so that an error before it keeps its HTTP status. The Messages and Responses APIs name each
+    # event, and start at once (early_start): their agents drop a stream that sends nothing for 5 minutes, shorter
+    # than a long prompt's prefill on a CPU, so keepalive() events fill the wait.
+    early_start = False
+
+    def keepalive(self) -> dict:
+        raise NotImplementedError
+
     def sse(self, event: dict) -> str:
         return sse(event)
 

@@ -226,3 +226,24 @@ def test_full_queue_is_a_429_anthropic_error_with_retry_after(small_server):
     waiter.join(60)
     assert_anthropic_error(refused, 429, "rate_limit_error")
     assert int(refused.headers["retry-after"]) >= 1 and small_server.healthy()
+
+
+def test_stream_starts_and_pings_while_the_engine_is_busy(server, claude):
+    """Claude Code drops a stream that stays silent for 5 minutes: headers, message_start and pings go out before the
+    first token (here the engine is busy with another request for more than one keep-alive interval)."""
+    busy = threading.Thread(target=lambda: claude.messages.create(
+        model=MODEL, max_tokens=600, messages=HELLO, extra_body={"temperature": 0, "ignore_eos": True}))
+    busy.start()
+    time.sleep(1)
+    events, start = [], time.monotonic()
+    with httpx.stream("POST", f"{server.base_url}/v1/messages", headers={"x-api-key": API_KEY}, timeout=120,
+                      json={"model": MODEL, "max_tokens": 4, "stream": True, "messages": HELLO}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                events.append((line[len("event: "):], time.monotonic() - start, busy.is_alive()))
+    busy.join(120)
+    assert events[0][0] == "message_start" and events[0][1] < 5 and events[0][2], events[:3]
+    first_block = next(i for i, e in enumerate(events) if e[0] == "content_block_start")
+    assert [e[0] for e in events[1:first_block]].count("ping") >= 2, events[:first_block]  # the first and keep-alive
+    assert events[-1][0] == "message_stop"

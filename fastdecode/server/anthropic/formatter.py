@@ -11,7 +11,7 @@ from fastdecode.server.protocol import Formatter, cached_tokens, named_sse, spee
 
 
 class MessagesFormatter(Formatter):
-    prefix = "msg"
+    prefix, early_start = "msg", True
 
     def __init__(self, model: str, tokenizer, prompt_tokens: int, tool_names: list[str] | None,
                  stop_sequences: list[str] | None, clamped: bool):
@@ -21,6 +21,9 @@ class MessagesFormatter(Formatter):
         self.clamped = clamped
         self.blocks: list[dict] = []
         self.text_open = False  # the last block is text that may still grow
+
+    def keepalive(self) -> dict:
+        return {"type": "ping"}
 
     def sse(self, event: dict) -> str:
         return named_sse(event)

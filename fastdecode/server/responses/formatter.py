@@ -11,7 +11,7 @@ from fastdecode.server.responses.schemas import ResponsesRequest
 
 
 class ResponsesFormatter(Formatter):
-    prefix = "resp"
+    prefix, early_start = "resp", True
 
     def __init__(self, model: str, tokenizer, prompt_tokens: int, tool_names: list[str] | None,
                  body: ResponsesRequest):
@@ -29,6 +29,10 @@ class ResponsesFormatter(Formatter):
         self.items: list[dict] = []
         self.text_open = False  # the last item is a message whose text may still grow
         self.sequence = 0
+
+    def keepalive(self) -> dict:
+        """The API has no ping: its clients (and the SDK's stream helper) take a repeated in_progress."""
+        return self._event("response.in_progress", response=self.response_object("in_progress", None))
 
     def sse(self, event: dict) -> str:
         return named_sse(event)
