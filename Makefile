@@ -78,3 +78,11 @@ DRAFTER_ARGS ?= --chat-prompts 120 --answer-tokens 160 --code-tokens 30000 --epo
 drafter: install
 	$(FASTDECODE) pull smollm2-135m
 	$(FASTDECODE) train-drafter -m smollm2-135m --out $(DRAFTER_DIR) --threads $(THREADS) $(DRAFTER_ARGS)
+
+# Real coding agents against `fastdecode serve` (docs/agents.md), kept out of `make test`: Claude Code installed with npm
+# into $(FASTDECODE_HOME)/agents, `claude -p` on a one-file task against gemma3-270m (32k context). Takes minutes: the
+# agent's ~20k-token first prompt is prefilled on the CPU.
+.PHONY: agents
+agents: install
+	$(FASTDECODE) pull gemma3-270m
+	$(PY) bench/agents.py --threads $(THREADS) $(AGENTS_ARGS)

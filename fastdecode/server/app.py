@@ -15,17 +15,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from fastdecode.errors import FastdecodeError
+from fastdecode.server.anthropic.routes import messages_routes
 from fastdecode.server.config import ServerConfig
-from fastdecode.server.errors import ApiError, install_error_handlers, stream_error
+from fastdecode.server.errors import ApiError, install_error_handlers, stream_failure
 from fastdecode.server.limits import BodyLimit
 from fastdecode.server.metrics import CountRequests, Metrics
 from fastdecode.server.prepare import EngineRequest, ServedModel, chat_request, completion_request
-from fastdecode.server.protocol import DONE, ChatFormatter, TextFormatter, sse
+from fastdecode.server.protocol import ChatFormatter, TextFormatter
+from fastdecode.server.responses.routes import responses_routes
 from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler
 from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest
 from fastdecode.server.security import Guard
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+PENDING = object()  # a stream's first chunk, not yet come
 
 
 class ClientGone(Exception):
@@ -102,6 +105,10 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
         chunks = run.chunks()
         handed_off = False
         try:
+            if stream and fmt.early_start:  # Messages, Responses: headers and keep-alives before the first token
+                handed_off = True
+                return StreamingResponse(events(run, fmt, PENDING, chunks), media_type="text/event-stream",
+                                         headers=SSE_HEADERS)
             first = await until_disconnected(request, anext(chunks, None))
             if stream:
                 handed_off = True
@@ -129,21 +136,31 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
         return fmt.completion
 
     async def events(run: Run, fmt, first, chunks):
+        """`first` is PENDING for a stream started before its first token: keep-alive events until it comes."""
+        waiting = None
         try:
             for c in fmt.start():
-                yield sse(c)
+                yield fmt.sse(c)
             chunk = first
+            if chunk is PENDING:
+                waiting = asyncio.ensure_future(anext(chunks, None))
+                while not (await asyncio.wait({waiting}, timeout=config.keepalive_s))[0]:
+                    yield fmt.sse(fmt.keepalive())
+                chunk = waiting.result()
             while chunk is not None:
                 for c in fmt.add(chunk):
-                    yield sse(c)
+                    yield fmt.sse(c)
                 fmt.completion = chunk.completion or fmt.completion
                 chunk = await anext(chunks, None)
             for c in fmt.finish(fmt.completion, run.end, run.queue_s):
-                yield sse(c)
-            yield DONE
-        except Exception as e:  # the engine failed mid-stream; OpenAI's clients raise on an error event
-            yield sse(stream_error(e, fmt.id))
+                yield fmt.sse(c)
+            for c in fmt.sse_end():
+                yield c
+        except Exception as e:  # the engine failed mid-stream; the SDKs raise on an error event
+            yield fmt.sse_error(*((503, str(e)) if isinstance(e, QueueTimeout) else stream_failure(e, fmt.id)))
         finally:
+            if waiting is not None and not waiting.done():
+                waiting.cancel()
             finished(run, fmt)
 
     def finished(run: Run, fmt):
@@ -170,6 +187,8 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
             if not task.done():
                 task.cancel()
 
+    app.include_router(messages_routes(served, answer))  # Anthropic's Messages API
+    app.include_router(responses_routes(served, answer))  # OpenAI's Responses API, stateless
     return app
 
 

@@ -1,6 +1,8 @@
 """`fastdecode serve`: the OpenAI-compatible server on one model."""
 from __future__ import annotations
 
+import logging
+
 import click
 
 from fastdecode.engine.cli import build_llm, err, model_kwargs, model_options
@@ -35,6 +37,8 @@ def serve(host, port, api_key, served_model_name, max_queue, request_timeout, ma
         err.print(f"[yellow]warning: serving on {host} without an API key: anyone who reaches the port can use "
                   "the model[/yellow]")
     llm = build_llm(**model_kwargs(engine))
+    # Our own lines (what each agent request holds) beside uvicorn's, at the same level.
+    logging.basicConfig(format="%(levelname)-9s %(name)s: %(message)s", level=log_level.upper())
     app = create_app(llm, config)
     batch = llm.engine.config.max_batch if llm.engine else 1
     err.print(f"[cyan]{app.state.served.id} on http://{host}:{port}/v1 (speculate {llm.speculate}, batch {batch}, "

@@ -1,4 +1,6 @@
-"""Every error the server answers, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Every error the server answers, in the shape of the API its path belongs to: OpenAI's
+{"error": {"message", "type", "param", "code"}}, or on /v1/messages Anthropic's
+{"type": "error", "error": {"type", "message"}} (its SDK and Claude Code read only that one)."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +17,11 @@ log = logging.getLogger(__name__)
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
          429: "rate_limit_error", 503: "server_overloaded", 500: "server_error"}
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                   504: "timeout_error", 529: "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class ApiError(Exception):
@@ -30,9 +37,21 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500
+                                                                   else "api_error"), "message": message}}
+
+
+def error_body_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    if path.startswith(ANTHROPIC_PREFIX):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, param, code)
+
+
+def error_response(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    return JSONResponse(error_body_for(request.url.path, status, message, param, code), status_code=status,
+                        headers=headers)
 
 
 def internal_error(exc: BaseException, request_id: str | None = None) -> dict:
@@ -44,10 +63,13 @@ def internal_error(exc: BaseException, request_id: str | None = None) -> dict:
                       code="internal_error")
 
 
-def stream_error(exc: BaseException, request_id: str) -> dict:
-    """The error event that ends a stream the engine failed mid-way: a request's own mistake (FastdecodeError, whose
-    messages are written for the client) says what it was; anything else is an internal error."""
-    return error_body(400, str(exc)) if isinstance(exc, FastdecodeError) else internal_error(exc, request_id)
+def stream_failure(exc: BaseException, request_id: str) -> tuple[int, str]:
+    """(status, message) of the error event that ends a stream the engine failed mid-way: a request's own mistake
+    (FastdecodeError, whose messages are written for the client) says what it was; anything else is an internal
+    error, logged under the request id."""
+    if isinstance(exc, FastdecodeError):
+        return 400, str(exc)
+    return 500, internal_error(exc, request_id)["error"]["message"]
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -71,24 +93,25 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI):
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+        return error_response(request, exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(FastdecodeError)
     async def engine_error(request: Request, exc: FastdecodeError):
-        return error_response(400, str(exc))
+        return error_response(request, 400, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc)
-        return error_response(400, message, param)
+        return error_response(request, 400, message, param)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if isinstance(exc.__cause__, UnicodeDecodeError):
             message = "the request body is not valid UTF-8"
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error_response(request, exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def crash(request: Request, exc: Exception):
-        return JSONResponse(internal_error(exc), status_code=500)
+    async def crash(request: Request, exc: Exception):  # a bug of ours: logged, answered without its text
+        return JSONResponse(error_body_for(request.url.path, 500, internal_error(exc)["error"]["message"]),
+                            status_code=500)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from fastdecode.server.errors import error_body
+from fastdecode.server.errors import error_body_for
 
 
 class BodyLimit:
@@ -19,7 +19,8 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            response = JSONResponse(error_body(413, f"the request body is over {self.max_bytes} bytes"), 413)
+            response = JSONResponse(error_body_for(scope.get("path", ""), 413,
+                                                   f"the request body is over {self.max_bytes} bytes"), 413)
             return await response(scope, receive, send)
         received = 0
 

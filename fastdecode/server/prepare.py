@@ -9,6 +9,8 @@ from typing import Callable
 
 import torch
 
+from pydantic import ValidationError
+
 from fastdecode.engine.constraints import GrammarProcessor, TokenTexts, json_object_grammar
 from fastdecode.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from fastdecode.errors import FastdecodeError
@@ -49,7 +51,25 @@ class ServedModel:
         return self._texts
 
 
-def chat_request(body: ChatCompletionRequest, served: ServedModel) -> EngineRequest:
+def as_chat_request(fields: dict) -> ChatCompletionRequest:
+    """Another API's request, converted into Chat Completions fields, as a checked ChatCompletionRequest."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:  # the other API's schema admitted something Chat Completions does not
+        first = e.errors()[0]
+        raise ApiError(400, f"{first['msg']} at {'.'.join(str(p) for p in first['loc'])}") from None
+
+
+@dataclass
+class ChatPrompt:
+    """A chat request's prompt: its token ids, the tools the template saw, and those one of which the reply must
+    call (tool_choice "required" or a named tool)."""
+    ids: list[int]
+    tool_names: list[str] | None  # None: no tools shown, the reply is plain text
+    forced: list[dict] | None = None
+
+
+def chat_prompt(body: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
     llm = served.llm
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     names = [t["function"]["name"] for t in tools]
@@ -69,13 +89,19 @@ def chat_request(body: ChatCompletionRequest, served: ServedModel) -> EngineRequ
     messages = [message_dict(m) for m in body.messages]
     knows_tools = template_knows_tools(llm.tokenizer.chat_template)
     rendered = template_messages(messages, tools, knows_tools)
-    prompt_ids = encode(lambda: llm.chat_prompt(rendered, tools if tools and knows_tools else None))
+    ids = encode(lambda: llm.chat_prompt(rendered, tools if tools and knows_tools else None))
+    return ChatPrompt(ids, names if tools else None, forced)
+
+
+def chat_request(body: ChatCompletionRequest, served: ServedModel, prompt: ChatPrompt | None = None) -> EngineRequest:
+    """`prompt`: chat_prompt(body) when the caller needed it first (the Messages API sizes max_tokens to it)."""
+    prompt = prompt or chat_prompt(body, served)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, prompt_ids, max_tokens, logprobs, llm.max_seq_len)
-    grammar = forced_call_grammar(forced) if forced else response_grammar(body.response_format)
+    params = sampling_params(body, prompt.ids, max_tokens, logprobs, served.llm.max_seq_len)
+    grammar = forced_call_grammar(prompt.forced) if prompt.forced else response_grammar(body.response_format)
     processor = logits_processor(body, grammar, params, served)
-    return EngineRequest(prompt_ids, params, processor, names if tools else None)
+    return EngineRequest(prompt.ids, params, processor, prompt.tool_names)
 
 
 def completion_request(body: CompletionRequest, served: ServedModel) -> EngineRequest:

@@ -10,6 +10,7 @@ import json
 import secrets
 import time
 
+from fastdecode.server.errors import error_body
 from fastdecode.server.tools import ToolCallParser
 
 DONE = "data: [DONE]\n\n"
@@ -20,11 +21,21 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def named_sse(event: dict) -> str:
+    """An event named after its `type`, as the Messages and Responses APIs stream them."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
 def usage(prompt_tokens: int, completion_tokens: int, completion=None) -> dict:
     """OpenAI's usage object; prompt_tokens_details.cached_tokens counts the prompt tokens the prefix cache held."""
-    cached = completion.timings.cached_tokens if completion is not None else 0
+    cached = cached_tokens(completion)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def cached_tokens(completion) -> int:
+    """Prompt tokens the engine did not prefill because its prefix cache held them."""
+    return completion.timings.cached_tokens if completion is not None else 0
 
 
 def speed(queue_s: float, completion, end: str | None) -> dict:
@@ -47,7 +58,8 @@ class Formatter:
     """Shared state of one response: ids, token count, log-probabilities waiting for a chunk to ride on."""
     object_name = ""
 
-    def __init__(self, model: str, tokenizer, prompt_tokens: int, logprobs: bool, include_usage: bool):
+    def __init__(self, model: str, tokenizer, prompt_tokens: int, logprobs: bool, include_usage: bool,
+                 tool_names: list[str] | None = None):
         self.id = f"{self.prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.model = model
@@ -59,6 +71,25 @@ class Formatter:
         self.entries: list[dict] = []  # engine logprob entries, all of them
         self.sent = 0  # entries already attached to a chunk
         self.completion = None  # the engine's Completion, once the last chunk came
+        self.parser = ToolCallParser(tool_names) if tool_names else None  # None: the reply is plain text
+
+    # How the stream is written: OpenAI's chat and text completions are bare `data:` lines ended by [DONE], and start
+    # with the first token, so that an error before it keeps its HTTP status. The Messages and Responses APIs name each
+    # event, and start at once (early_start): their agents drop a stream that sends nothing for 5 minutes, shorter
+    # than a long prompt's prefill on a CPU, so keepalive() events fill the wait.
+    early_start = False
+
+    def keepalive(self) -> dict:
+        raise NotImplementedError
+
+    def sse(self, event: dict) -> str:
+        return sse(event)
+
+    def sse_end(self) -> list[str]:
+        return [DONE]
+
+    def sse_error(self, status: int, message: str) -> str:
+        return sse(error_body(status, message))
 
     def chunk(self, choices: list[dict], **extra) -> dict:
         out = {"id": self.id, "object": f"{self.object_name}.chunk" if self.object_name == "chat.completion"
@@ -73,6 +104,17 @@ class Formatter:
         self.tokens += len(chunk.token_ids)
         if self.logprobs and chunk.logprobs:
             self.entries += chunk.logprobs
+
+    def reply_events(self, chunk) -> list[tuple[str, object]]:
+        """Counts the chunk; its text as ("content", text) and ("tool_call", call) events, in order."""
+        self.count(chunk)
+        if self.parser is None:
+            return [("content", chunk.text)] if chunk.text else []
+        return self.parser.feed(chunk.text)
+
+    def last_reply_events(self) -> list[tuple[str, object]]:
+        """What the parser held back, once the reply is over."""
+        return self.parser.finish() if self.parser else []
 
     def settle(self, completion):
         """At the end: the engine's count is the truth (a token that completes a stop string is not streamed)."""
@@ -99,9 +141,8 @@ class Formatter:
 class ChatFormatter(Formatter):
     prefix, object_name = "chatcmpl", "chat.completion"
 
-    def __init__(self, *args, tool_names: list[str] | None = None, **kw):
+    def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.parser = ToolCallParser(tool_names) if tool_names else None
         self.content: list[str] = []
         self.tool_calls: list[dict] = []
 
@@ -109,13 +150,11 @@ class ChatFormatter(Formatter):
         return [self.chunk([self._choice({"role": "assistant", "content": "", "refusal": None})])]
 
     def add(self, chunk) -> list[dict]:
-        self.count(chunk)
-        events = self.parser.feed(chunk.text) if self.parser else [("content", chunk.text)] if chunk.text else []
-        return [self.chunk([c]) for c in self._choices(events)]
+        return [self.chunk([c]) for c in self._choices(self.reply_events(chunk))]
 
     def finish(self, completion, end: str | None, queue_s: float) -> list[dict]:
         self.settle(completion)
-        out = [self.chunk([c]) for c in self._choices(self.parser.finish() if self.parser else [])]
+        out = [self.chunk([c]) for c in self._choices(self.last_reply_events())]
         last = self._choice({}, self.finish_reason(completion, end))
         if self.logprobs and self.sent < len(self.entries):
             last["logprobs"] = {"content": self._logprobs(self.unsent())}

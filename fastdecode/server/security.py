@@ -5,10 +5,11 @@ from __future__ import annotations
 import hmac
 import ipaddress
 
+from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 
 from fastdecode.server.config import ServerConfig
-from fastdecode.server.errors import error_response
+from fastdecode.server.errors import error_body_for
 
 OPEN_PATHS = {"/health"}  # probes and load balancers call it without a key
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
@@ -33,7 +34,8 @@ def host_name(header: str) -> str:
 class Guard:
     """ASGI middleware. A loopback server without a key answers only requests whose Host names the loopback: a web
     page whose own domain it rebinds to 127.0.0.1 still sends that domain as Host, and a browser cannot forge it.
-    With a key, every path but /health (the OpenAPI schema included) needs `Authorization: Bearer KEY`."""
+    With a key, every path but /health (the OpenAPI schema included) needs it, as `Authorization: Bearer KEY` or
+    `x-api-key: KEY`."""
 
     def __init__(self, app, config: ServerConfig):
         self.app, self.api_key = app, config.api_key
@@ -47,16 +49,21 @@ class Guard:
         await self.app(scope, receive, send)
 
     def refusal(self, path: str, headers: Headers):
+        def refuse(status: int, message: str, code: str) -> JSONResponse:  # in the shape of the path's API
+            return JSONResponse(error_body_for(path, status, message, code=code), status_code=status)
+
         if self.check_host and host_name(headers.get("host", "")).lower() not in LOOPBACK_NAMES:
-            return error_response(403, "this server answers only requests addressed to localhost (the Host header "
-                                       "names another site); set an API key to serve other names",
-                                  code="host_not_allowed")
+            return refuse(403, "this server answers only requests addressed to localhost (the Host header names "
+                               "another site); set an API key to serve other names", "host_not_allowed")
         if self.api_key is None or path in OPEN_PATHS:
             return None
-        scheme, _, given = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            return error_response(401, "Missing API key: send it as `Authorization: Bearer <key>`",
-                                  code="missing_api_key")
-        if not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
-            return error_response(401, "Incorrect API key provided", code="invalid_api_key")
+        # OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`.
+        scheme, _, bearer = headers.get("authorization", "").partition(" ")
+        given = [k.strip() for k in (bearer if scheme.lower() == "bearer" else "", headers.get("x-api-key", ""))
+                 if k.strip()]
+        if not given:
+            return refuse(401, "Missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`",
+                          "missing_api_key")
+        if not any(hmac.compare_digest(k.encode(), self.api_key.encode()) for k in given):
+            return refuse(401, "Incorrect API key provided", "invalid_api_key")
         return None

@@ -51,9 +51,11 @@ def template_messages(messages: list[dict], tools: list[dict] | None, knows_tool
             m = {"role": "assistant", "content": (m.get("content") or "") + text}
         elif m["role"] == "tool" and not knows_tools:
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
-            if out and out[-1]["role"] == "user" and out[-1]["content"].startswith("<tool_response>"):
-                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + m["content"]}
-                continue
+        if m["role"] == "user" and out and out[-1]["role"] == "user" and isinstance(m.get("content"), str) \
+                and isinstance(out[-1].get("content"), str):
+            # one turn: strict templates (Gemma's) need user and assistant turns to alternate
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + m["content"]}
+            continue
         out.append(m)
     if tools and not knows_tools:
         system = TOOLS_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))

@@ -98,3 +98,11 @@ def test_forced_call_grammar_accepts_exactly_a_call_the_parser_reads():
         state = grammar.step(state, ch)
         assert state is not None
     assert grammar.done(state) and calls(parse([text])) == [("get_weather", {"city": "Oslo"})]
+
+
+def test_consecutive_user_turns_merge_for_templates_that_need_alternation():
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                {"role": "assistant", "content": "c"}, {"role": "tool", "content": "r"}, {"role": "user", "content": "d"}]
+    out = template_messages(messages, None, knows_tools=False)
+    assert [(m["role"], m["content"]) for m in out] == [
+        ("user", "a\nb"), ("assistant", "c"), ("user", "<tool_response>\nr\n</tool_response>\nd")]

@@ -1,0 +1,62 @@
+"""A Responses API request -> the Chat Completions request that means the same, so that one code path (prepare)
+builds every chat prompt: `instructions` becomes the system message, `function_call` items an assistant's
+`tool_calls`, `function_call_output` items `tool` messages, and `text.format` the response_format."""
+from __future__ import annotations
+
+from fastdecode.server.errors import ApiError
+from fastdecode.server.prepare import as_chat_request
+from fastdecode.server.responses.schemas import ResponsesRequest
+from fastdecode.server.schemas import ChatCompletionRequest
+
+
+def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
+    if body.previous_response_id is not None:
+        raise ApiError(400, "previous_response_id is not supported: this server keeps no responses; send the whole "
+                            "conversation as `input` items", "previous_response_id")
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    messages += conversation(body.input)
+    fields = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
+              "temperature": body.temperature, "top_p": body.top_p}
+    if body.tools:
+        fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                           for t in body.tools]
+    if body.tool_choice is not None:
+        choice = body.tool_choice
+        fields["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
+                                                                        "function": {"name": choice.name}}
+    if body.text is not None and body.text.format is not None:
+        fmt = body.text.format
+        fields["response_format"] = {"type": fmt.type, **({"json_schema": {"schema": fmt.schema_}}
+                                                          if fmt.type == "json_schema" else {})}
+    return as_chat_request(fields)
+
+
+def conversation(items) -> list[dict]:
+    """Input items -> OpenAI messages; function calls join the assistant message before them, as a chat model
+    wrote them."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out, call_ids = [], set()
+    for i, item in enumerate(items):
+        if item.type == "message":
+            out.append({"role": item.role, "content": text(item.content)})
+        elif item.type == "function_call":
+            call_ids.add(item.call_id)
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            if item.call_id not in call_ids:
+                raise ApiError(400, f"No tool call found for function call output with call_id {item.call_id}.",
+                               f"input.{i}.call_id")
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": text(item.output)})
+    if not out:
+        raise ApiError(400, "input holds no message", "input")
+    return out
+
+
+def text(content) -> str:
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)

@@ -1,0 +1,139 @@
+"""The engine's chunks as a Responses API reply: output items (a `message` holding `output_text`, `function_call`s)
+and usage, streamed as the `response.*` events the SDK's stream helper accumulates: created, in_progress, per item
+output_item.added, its deltas (output_text.delta or function_call_arguments.delta) and their .done events,
+output_item.done, then completed (or incomplete when max_output_tokens ran out)."""
+from __future__ import annotations
+
+import secrets
+
+from fastdecode.server.protocol import Formatter, cached_tokens, named_sse, speed
+from fastdecode.server.responses.schemas import ResponsesRequest
+
+
+class ResponsesFormatter(Formatter):
+    prefix, early_start = "resp", True
+
+    def __init__(self, model: str, tokenizer, prompt_tokens: int, tool_names: list[str] | None,
+                 body: ResponsesRequest):
+        super().__init__(model, tokenizer, prompt_tokens, logprobs=False, include_usage=False, tool_names=tool_names)
+        self.id = f"resp_{secrets.token_hex(12)}"
+        self.request = {  # what a response echoes of its request
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
+            "top_p": body.top_p, "metadata": body.metadata or {}, "previous_response_id": None,
+            "tool_choice": body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump")
+            else body.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "text": {"format": {"type": body.text.format.type}} if body.text and body.text.format
+            else {"format": {"type": "text"}}}
+        self.items: list[dict] = []
+        self.text_open = False  # the last item is a message whose text may still grow
+        self.sequence = 0
+
+    def keepalive(self) -> dict:
+        """The API has no ping: its clients (and the SDK's stream helper) take a repeated in_progress."""
+        return self._event("response.in_progress", response=self.response_object("in_progress", None))
+
+    def sse(self, event: dict) -> str:
+        return named_sse(event)
+
+    def sse_end(self) -> list[str]:
+        return []  # response.completed ends the stream; there is no [DONE]
+
+    def sse_error(self, status: int, message: str) -> str:
+        return named_sse(self._event("error", code="server_error" if status >= 500 else "invalid_request_error",
+                                     message=message, param=None))
+
+    def start(self) -> list[dict]:
+        shell = self.response_object("in_progress", None)
+        return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
+
+    def add(self, chunk) -> list[dict]:
+        return self._output(self.reply_events(chunk))
+
+    def finish(self, completion, end: str | None, queue_s: float) -> list[dict]:
+        self.settle(completion)
+        out = self._output(self.last_reply_events()) + self._close_text()
+        final = self.response_object(self.status(completion, end), completion)
+        final["fastdecode"] = speed(queue_s, completion, end)
+        return out + [self._event(f"response.{final['status']}", response=final)]
+
+    def response(self, completion, end: str | None, queue_s: float) -> dict:
+        return self.finish(completion, end, queue_s)[-1]["response"]
+
+    def response_object(self, status: str, completion) -> dict:
+        done = status != "in_progress"
+        cached = cached_tokens(completion)
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": self.items if done else [], "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "usage": {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+                          "output_tokens": self.tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": self.prompt_tokens + self.tokens} if done else None,
+                "store": False, "truncation": "disabled", **self.request}
+
+    def status(self, completion, end: str | None) -> str:
+        if any(item["type"] == "function_call" for item in self.items):
+            return "completed"
+        return "incomplete" if completion is None or end == "timeout" or completion.finish_reason == "length" \
+            else "completed"
+
+    def _event(self, kind: str, **fields) -> dict:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    def _output(self, events) -> list[dict]:
+        out = []
+        for kind, value in events:
+            if kind == "content":
+                if not self.text_open:
+                    out += self._open_message()
+                message = self.items[-1]
+                message["content"][0]["text"] += value
+                out.append(self._event("response.output_text.delta", item_id=message["id"],
+                                       output_index=len(self.items) - 1, content_index=0, delta=value,
+                                       logprobs=[]))
+                continue
+            out += self._close_text()
+            arguments = value["function"]["arguments"]
+            item = {"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": value["id"],
+                    "name": value["function"]["name"], "arguments": "", "status": "in_progress"}
+            self.items.append(item)
+            index = len(self.items) - 1
+            out.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
+            item.update(arguments=arguments, status="completed")
+            out += [self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                delta=arguments),
+                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                name=item["name"], arguments=arguments),
+                    self._event("response.output_item.done", output_index=index, item=dict(item))]
+        return out
+
+    def _open_message(self) -> list[dict]:
+        self.text_open = True
+        item = {"type": "message", "id": f"msg_{secrets.token_hex(12)}", "status": "in_progress",
+                "role": "assistant", "content": []}
+        self.items.append(item)
+        index = len(self.items) - 1
+        added = self._event("response.output_item.added", output_index=index, item={**item, "content": []})
+        item["content"].append(output_text(""))
+        return [added, self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                   content_index=0, part=output_text(""))]
+
+    def _close_text(self) -> list[dict]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        item, index = self.items[-1], len(self.items) - 1
+        item["status"] = "completed"
+        part = item["content"][0]
+        return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=part["text"], logprobs=[]),
+                self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                            part=dict(part)),
+                self._event("response.output_item.done", output_index=index,
+                            item={**item, "content": [dict(part)]})]
+
+
+def output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -1,0 +1,86 @@
+"""Request bodies of the Responses API. Unknown fields are ignored: agents send fields that change nothing for a
+stateless server (store, include, reasoning, prompt_cache_key, ...). Items of other types than those below
+(images, files, built-in tools' calls) are refused by validation with the list of those accepted."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag
+
+from fastdecode.server.schemas import FUNCTION_NAME, Lenient
+
+
+class TextPart(Lenient):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageItem(Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[TextPart]
+
+
+class FunctionCallItem(Lenient):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+
+
+class ReasoningItem(Lenient):  # an earlier reply's reasoning; the prompt leaves it out
+    type: Literal["reasoning"]
+
+
+def item_type(item) -> str:
+    """A message may leave out its type (the SDK's EasyInputMessage)."""
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+Item = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+                       Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                       Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(item_type)]
+
+
+class FunctionTool(Lenient):
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(Lenient):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # json_schema: its top-level keys are enforced
+
+
+class TextConfig(Lenient):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(Lenient):
+    model: str
+    input: str | list[Item]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    stream: bool | None = False
+    text: TextConfig | None = None
+    previous_response_id: str | None = None  # refused: this server keeps no responses
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, Any] | None = None
