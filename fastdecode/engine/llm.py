@@ -14,7 +14,7 @@ from fastdecode.engine.generate import Timings, generate_tokens
 from fastdecode.engine.sampling import Sampler, SamplingParams
 from fastdecode.errors import InvalidRequestError
 from fastdecode.kernels.decoder import native_decoder
-from fastdecode.loading import load_model, load_tokenizer
+from fastdecode.loading import load_model, load_tokenizer, resolve_quant
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
 from fastdecode.speculative import build_speculator
 
@@ -51,7 +51,8 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", quant: str | None = None,
                  group_size: int = 32, threads: int | None = None, max_seq_len: int = 4096, native: bool = True,
                  speculate: str = "none", progress=None, log=lambda *a: None, load=load_model):
-        """`load(path, dtype, progress) -> model` builds the model (tensor parallelism passes its shard loader)."""
+        """quant None runs a GGUF file in its own formats and a directory in float; "none" asks for float weights.
+        `load(path, dtype, progress, quant) -> model` builds the model (tensor parallelism passes its shard loader)."""
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         if threads:
@@ -59,11 +60,11 @@ class LLM:
         self.path = resolve(model, log=log)
         self.name = model
         self.dtype = dtype
-        self.quant = quant
-        self.model = load(self.path, DTYPES[dtype], progress)
+        self.quant = quant = resolve_quant(self.path, quant)
+        self.model = load(self.path, DTYPES[dtype], progress, quant)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
-        if quant:
+        if quant not in (None, "gguf"):  # "gguf" is the loaded format itself
             from fastdecode.quant import quantize_model
             quantize_model(self.model, quant, group_size=group_size)
         self.max_seq_len = min(max_seq_len, self.config.max_position_embeddings)

@@ -80,6 +80,7 @@ def aten_fits(out_features: int, in_features: int, group_size: int) -> bool:
 
 class Int4Linear(QuantLinear):
     native_op = "q4_linear"
+    row_backends = ("native", "lut")
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int, backend: str, in_features: int | None = None):
@@ -141,6 +142,21 @@ class Int4Linear(QuantLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 32, backend: str | None = None):
         return cls.from_weight(linear.weight, linear.bias, group_size, backend)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (n,) of the weight, dequantized: (n, in_features) float32, value for value what the stored
+        blocks hold (q * d + m is exact in float32), for an embedding that shares this matrix (QuantEmbedding)."""
+        if self.backend == "lut":
+            q = unpack_nibbles(self.qweight[ids])
+            w = dequantize_groupwise(q, self.scales[ids].float(), self.mins[ids].float())
+            return w[:, :self.in_features]
+        n, pick = len(ids), (torch.arange(len(ids)), ids % 4)
+        tiles = self.qweight[ids // 4]  # (n, K/64, 160), see pack_native
+        dm = tiles[..., :32].contiguous().view(torch.float16).view(n, -1, 2, 4, 2)  # (scale|min, row, block)
+        dm = dm.permute(0, 3, 1, 2, 4)[pick].float()  # (n, K/64, scale|min, block)
+        qs = tiles[..., 32:].reshape(n, -1, 4, 32).transpose(1, 2)[pick].reshape(n, -1, 2, 16)
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # (n, K/64, block, 32)
+        return (q * dm[:, :, 0, :, None] + dm[:, :, 1, :, None]).reshape(n, -1)
 
     def mm(self, x2d: torch.Tensor) -> torch.Tensor:
         groups = self.scales.shape[1] if self.backend == "lut" else self.scales_and_zeros.shape[0]

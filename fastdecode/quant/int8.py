@@ -88,6 +88,7 @@ def native_fits(out_features: int, in_features: int) -> bool:
 
 class Int8Linear(QuantLinear):
     native_op = "q8_linear"
+    row_backends = ("native",)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, bias: torch.Tensor | None,
                  backend: str):
@@ -143,6 +144,20 @@ class Int8Linear(QuantLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, backend: str | None = None):
         return cls.from_weight(linear.weight, linear.bias, backend)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (n,) of the native weight, dequantized: (n, in_features) float32, value for value what the
+        stored blocks hold, for an embedding that shares this matrix (QuantEmbedding)."""
+        n, pick = len(ids), (torch.arange(len(ids)), ids % 4)
+        tiles = self.qweight[ids // 4]  # (n, K/32, 136 | 144), see pack_native
+        symmetric = tiles.shape[-1] == 4 * QK + 8
+        head = 8 if symmetric else 16
+        dm = tiles[..., :head].contiguous().view(torch.float16).view(n, -1, head // 8, 4)  # (scale[|min], row)
+        dm = dm.permute(0, 3, 1, 2)[pick].float()  # (n, K/32, scale[|min])
+        q = tiles[..., head:].reshape(n, -1, 4, QK).transpose(1, 2)[pick]  # (n, K/32, 32)
+        if symmetric:  # Q8_0: int8 values, w = d * q
+            return (q.view(torch.int8).float() * dm[..., :1]).reshape(n, -1)
+        return (q.float() * dm[..., :1] + dm[..., 1:]).reshape(n, -1)
 
     def mm(self, x2d: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2d, self.weight, self.scale)
