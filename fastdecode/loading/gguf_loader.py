@@ -110,9 +110,9 @@ BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGM
 
 
 def block_tensors(t, heads: int | None = None) -> dict[str, torch.Tensor]:
-    """A Q8_0 tensor (N, K) -> {"qweight" (N, K) int8, "scales" (N, K/32) fp16}; Q4_0/Q4_1 -> {"qweight" (N, K/2)
-    uint8 with element 2i in the low nibble, "scales", "mins" (N, K/32) fp16}: the checkpoint layout of the quant
-    modules (fastdecode.quant), with no value rounded on the way. `heads` (permuted_heads) undoes llama.cpp's q/k
+    """A Q8_0 tensor (N, K) -> {"qweight" (N, K) int8, "scales" (N, K/32) fp16}; Q4_0/Q4_1 -> {"blocks" (N, K/32, 16)
+    uint8, the block's nibble bytes as they are, "scales", "mins" (N, K/32) fp16}: what the quant modules'
+    from_tensors take (fastdecode.quant), with no value rounded on the way. `heads` (permuted_heads) undoes llama.cpp's q/k
     row permutation: rows are whole blocks, so it moves bytes, not values."""
     N, K = t.shape
     if heads is not None:
@@ -121,8 +121,6 @@ def block_tensors(t, heads: int | None = None) -> dict[str, torch.Tensor]:
     half = lambda lo: raw[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0]  # noqa: E731  (N, K/32)
     if t.type == GGMLQuantizationType.Q8_0:
         return {"qweight": raw[..., 2:].contiguous().view(torch.int8).reshape(N, K), "scales": half(0)}
-    qs = raw[..., -16:]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(N, K)  # each block's 32 values in order
     d = half(0)
     m = half(2) if t.type == GGMLQuantizationType.Q4_1 else -8 * d  # Q4_0: d*(q-8) = d*q + (-8d), exact in fp16
-    return {"qweight": q[:, 0::2] | q[:, 1::2] << 4, "scales": d, "mins": m}
+    return {"blocks": raw[..., -16:].contiguous(), "scales": d, "mins": m}

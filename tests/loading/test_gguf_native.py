@@ -17,8 +17,7 @@ from fastdecode.loading.gguf_loader import block_tensors
 from fastdecode.loading.gguf_native import load_gguf_native
 from fastdecode.quant import Int4Linear, Int8Linear, quantize_model
 from fastdecode.quant.embedding import QuantEmbedding
-from fastdecode.quant.int4 import dequantize_groupwise
-from fastdecode.quant.linear import unpack_nibbles
+from fastdecode.quant.int4 import dequantize_groupwise, from_blocks
 from fastdecode.quant.int8 import dequantize_blockwise
 from tests.helpers.checkpoints import build_model, checkpoint, scratch_dir, write_gguf
 from tests.helpers.tiny import logits
@@ -53,7 +52,7 @@ def uniform_gguf(qtype: QType, name: str = "llama") -> str:
 def block_weight(t) -> torch.Tensor:
     b = block_tensors(t)
     if "mins" in b:
-        return dequantize_groupwise(unpack_nibbles(b["qweight"]), b["scales"].float(), b["mins"].float())
+        return dequantize_groupwise(from_blocks(b["blocks"]), b["scales"].float(), b["mins"].float())
     return dequantize_blockwise(b["qweight"], b["scales"].float())
 
 
