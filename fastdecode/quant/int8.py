@@ -34,11 +34,6 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def from_symmetric(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 blocks (int8 q, d) -> (uint8 q + 128, m = -128 d): the same values (128 d is exact in fp16)."""
-    return (q.to(torch.int16) + 128).to(torch.uint8), -128 * scale
-
-
 def quantize_blockwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w (N, K) float -> q (N, K) uint8, scale d and offset m (N, K/32) float32, fp16-exact; per block the better
     (least squared error) of the asymmetric and the symmetric encoding."""
@@ -68,17 +63,17 @@ def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tenso
     return g.reshape(N, K)
 
 
-def pack_native(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """-> (N/4, K/32, 144) uint8: per tile of 4 rows and block of 32, the 4 fp16 scales, the 4 fp16 offsets, then
-    each row's 32 values, in the order quant.cpp reads them. Where every block is symmetric (a Q8_0 tensor), the
-    offsets are left out and the values stored as int8: (N/4, K/32, 136), 6% fewer bytes to read."""
+def pack_native(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    """q (N, K) uint8 with offsets `mins`, or int8 with mins None (Q8_0: w = d q) -> (N/4, K/32, 144) uint8: per tile
+    of 4 rows and block of 32, the 4 fp16 scales, the 4 fp16 offsets, then each row's 32 values, in the order
+    quant.cpp reads them. Where every block is symmetric (a Q8_0 tensor), the offsets are left out and the values
+    stored as int8: (N/4, K/32, 136), 6% fewer bytes to read."""
     N, K = q.shape
     tile = lambda t: t.half().reshape(N // 4, 4, K // QK).transpose(1, 2).contiguous().view(torch.uint8)  # noqa: E731
-    symmetric = torch.equal(mins, -128 * scale)
-    if symmetric:
-        q = (q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
-    values = q.reshape(N // 4, 4, K // QK, QK).transpose(1, 2).reshape(N // 4, K // QK, 4 * QK)
-    parts = [tile(scale)] + ([] if symmetric else [tile(mins)]) + [values]
+    if mins is not None and torch.equal(mins, -128 * scale):
+        q, mins = (q.to(torch.int16) - 128).to(torch.int8), None
+    values = q.view(torch.uint8).reshape(N // 4, 4, K // QK, QK).transpose(1, 2).reshape(N // 4, K // QK, 4 * QK)
+    parts = [tile(scale)] + ([] if mins is None else [tile(mins)]) + [values]
     return torch.cat(parts, dim=-1).contiguous()
 
 
@@ -92,12 +87,13 @@ class Int8Linear(QuantLinear):
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, bias: torch.Tensor | None,
                  backend: str):
-        """native: q (N, K) uint8, scale and mins (N, K/32); aten: q (N, K) int8, scale (N,), mins None."""
+        """native: q (N, K) uint8, scale and mins (N, K/32), or int8 q with mins None (Q8_0); aten: q (N, K) int8,
+        scale (N,), mins None."""
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.backend = backend
         if backend == "native":
-            if not native_fits(*q.shape) or scale.dim() != 2 or mins is None:
+            if not native_fits(*q.shape) or scale.dim() != 2 or (mins is None) != (q.dtype == torch.int8):
                 raise ValueError(f"native int8 needs block scales, out % 4 == 0 and in % 32 == 0; got {tuple(q.shape)}")
             self.register_buffer("qweight", pack_native(q, scale, mins))
         else:
@@ -132,8 +128,6 @@ class Int8Linear(QuantLinear):
         if backend != "native":
             log.warning("int8 block scales need the native kernel; requantizing %s per channel", tuple(q.shape))
             return cls(*quantize_per_channel(dequantize_blockwise(q, scale, mins)), None, bias, "aten")
-        if mins is None:  # Q8_0
-            q, mins = from_symmetric(q, scale)
         return cls(q, scale, mins, bias, backend)
 
     @classmethod
