@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,12 +188,15 @@ def measure(engine: str, path: Path, args) -> dict:
     """One fresh process: its result and its peak resident memory."""
     cmd = [sys.executable, __file__, "--child", engine, str(path), "--prompt-tokens", str(args.prompt_tokens),
            "--tokens", str(args.tokens), "--threads", str(args.threads), "--max-seq-len", str(args.max_seq_len)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate()  # waits without reaping, so wait4 below gets this child's own rusage
-    _, status, usage = os.wait4(proc.pid, 0)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (Popen.wait would reap it without)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        out, err = out.read(), err.read()
     peak = usage.ru_maxrss * 1024  # kilobytes on Linux
     lines = [line for line in out.splitlines() if line.startswith("{")]
-    if os.waitstatus_to_exitcode(status) != 0 or not lines:
+    if proc.returncode != 0 or not lines:
         return {"error": (err.strip().splitlines() or ["no output"])[-1], "peak_rss_bytes": peak}
     return {**json.loads(lines[-1]), "peak_rss_bytes": peak}
 
