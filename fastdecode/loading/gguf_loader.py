@@ -123,4 +123,4 @@ def block_tensors(t, heads: int | None = None) -> dict[str, torch.Tensor]:
         return {"qweight": raw[..., 2:].contiguous().view(torch.int8).reshape(N, K), "scales": half(0)}
     d = half(0)
     m = half(2) if t.type == GGMLQuantizationType.Q4_1 else -8 * d  # Q4_0: d*(q-8) = d*q + (-8d), exact in fp16
-    return {"blocks": raw[..., -16:].contiguous(), "scales": d, "mins": m}
+    return {"blocks": raw[..., -16:], "scales": d, "mins": m}  # a view: packing copies it once

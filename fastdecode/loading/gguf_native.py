@@ -132,7 +132,7 @@ class ModuleLoader:
             parts = [block_tensors(t, permuted_heads(f"{s}.weight", self.config)) for s, t in zip(sources, shards)]
             for t in shards:
                 self.f.release(t)
-            blocks = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            blocks = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
             self.kept[kind.name] += 1
             self.exact.add(name)
             return build_linear(blocks, scheme, bias, K, 32, self.backend)

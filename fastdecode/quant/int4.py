@@ -75,12 +75,12 @@ def pack_native(qs: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torc
     32-blocks, the 8 fp16 scales and the 8 fp16 mins in (row, block) order, then each row's 32 bytes (see
     kernels.cpp). Bytes move, no value is unpacked: a GGUF file's blocks go in as they are."""
     N, K = qs.shape[0], qs.shape[1] * 32
-    qs = qs.reshape(N // 4, 4, K // 64, 32).transpose(1, 2)
-
-    def tiles(t):  # (N, K/32) -> (N/4, K/64, 4 rows, 2 blocks)
-        return t.half().reshape(N // 4, 4, K // 64, 2).transpose(1, 2)
-    dm = torch.stack([tiles(scale), tiles(mn)], dim=2).reshape(N // 4, K // 64, 16).view(torch.uint8)
-    return torch.cat([dm, qs.reshape(N // 4, K // 64, 128)], dim=-1).contiguous()
+    out = torch.empty(N // 4, K // 64, 160, dtype=torch.uint8)  # written once, from strided views of the inputs
+    out[..., 32:].view(N // 4, K // 64, 4, 2, 16).copy_(qs.view(N // 4, 4, K // 64, 2, 16).transpose(1, 2))
+    dm = out[..., :32].view(torch.float16).view(N // 4, K // 64, 2, 4, 2)  # (scale|min, row, block)
+    for i, t in enumerate((scale, mn)):
+        dm[:, :, i].copy_(t.reshape(N // 4, 4, K // 64, 2).transpose(1, 2))
+    return out
 
 
 def native_fits(out_features: int, in_features: int, group_size: int) -> bool:
