@@ -156,7 +156,7 @@ class ModuleLoader:
         if not tied and t.type in KEPT and fits(KEPT[t.type], *t.shape, 32):
             table = self.matrix("embed_tokens", ["embed_tokens"], model.embed_tokens)
         if table is not None and table.backend in table.row_backends:
-            return QuantEmbedding(table)
+            return QuantEmbedding(table, self.dtype)
         model.embed_tokens.weight = nn.Parameter(self.float_weight("embed_tokens.weight").to(self.dtype),
                                                  requires_grad=False)
         return model.embed_tokens

@@ -11,15 +11,16 @@ from fastdecode.quant.linear import QuantLinear
 
 
 class QuantEmbedding(nn.Module):
-    def __init__(self, table: QuantLinear):
+    def __init__(self, table: QuantLinear, dtype: torch.dtype = torch.float32):
         super().__init__()
         if table.backend not in table.row_backends:
             raise ValueError(f"{type(table).__name__} ({table.backend}) cannot look up rows")
         self.table = table
-        # An empty (0, D) float32 tensor, not the table: code that asks the embedding's dtype and device (the KV
-        # cache's setup, the native decoder's check) learns what the lookups return.
-        self.register_buffer("weight", torch.empty(0, table.in_features), persistent=False)
+        # An empty (0, D) tensor, not the table: code that asks the embedding's dtype and device (the KV cache's
+        # setup, the native decoder's check) learns what the lookups return, as from a float table in `dtype`.
+        self.register_buffer("weight", torch.empty(0, table.in_features, dtype=dtype), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (...) -> (..., D) float32."""
-        return self.table.rows(ids.reshape(-1)).view(*ids.shape, self.table.in_features)
+        """ids (...) -> (..., D) in the table's dtype."""
+        rows = self.table.rows(ids.reshape(-1)).view(*ids.shape, self.table.in_features)
+        return rows.to(self.weight.dtype)

@@ -119,6 +119,15 @@ def test_tied_embedding_shares_the_lm_head_module():
     assert torch.equal(kept.embed_tokens(torch.arange(160)), table)
 
 
+def test_a_bfloat16_load_looks_up_bfloat16_rows_and_leaves_the_native_step():
+    from fastdecode.kernels.decoder import native_decoder
+
+    kept = load_gguf_native(uniform_gguf(QType.Q4_0), dtype=torch.bfloat16)
+    assert kept.embed_tokens(torch.tensor([[1, 2]])).dtype == torch.bfloat16
+    kept.setup_cache(32)
+    assert native_decoder(kept) is None  # the C++ step takes float32 norms and embeddings only
+
+
 def test_no_parameter_is_left_unloaded_or_float_where_kept():
     kept = load_gguf_native(uniform_gguf(QType.Q4_0))
     assert not any(t.is_meta for t in [*kept.parameters(), *kept.buffers()])
