@@ -24,7 +24,7 @@ test-install: $(VENV)/.test-installed
 
 demo: install
 	$(FASTDECODE) pull smollm2-135m
-	$(FASTDECODE) generate -m smollm2-135m --chat --quant int4 --threads $(THREADS) --max-tokens 200 --speed-table \
+	$(FASTDECODE) generate -m smollm2-135m --chat --threads $(THREADS) --max-tokens 200 --speed-table \
 		-p "Write a Python function that checks whether a string is a palindrome, with a docstring."
 
 test: test-install

@@ -102,14 +102,14 @@ REFERENCE = ("transformers", "fp32")  # greedy tokens every row is checked again
 
 # ---- engines: each is built in its own worker process and times one greedy generation per run() ----------------
 class Fastdecode:
-    SETTINGS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("float32", "int8"),
+    SETTINGS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": ("float32", "int8"),
                 "int4": ("float32", "int4")}
 
     def __init__(self, fmt, model, threads, max_seq_len):
         from fastdecode import LLM, SamplingParams
 
         dtype, quant = self.SETTINGS[fmt]
-        if quant:
+        if quant != "none":
             import fastdecode.quant  # noqa: F401  (written alongside; its absence is a skip, not a crash)
         self.params = SamplingParams
         self.llm = LLM(model, dtype=dtype, quant=quant, group_size=32, threads=threads, max_seq_len=max_seq_len)

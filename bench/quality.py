@@ -23,8 +23,8 @@ from common import command_line, fmt, machine, markdown_table, write_json
 
 # name -> (dtype, quant, group_size, what the weights are)
 ROWS = {
-    "fp32": ("float32", None, 32, "float32"),
-    "bf16": ("bfloat16", None, 32, "bfloat16"),
+    "fp32": ("float32", "none", 32, "float32"),
+    "bf16": ("bfloat16", "none", 32, "bfloat16"),
     "int8": ("float32", "int8", 32, "8-bit, fp16 scale and offset per 32 (Q8_0 where it fits better)"),
     "int4-g32": ("float32", "int4", 32, "int4 asymmetric, groups of 32 (Q4_1 layout)"),
     "int4-g128": ("float32", "int4", 128, "int4 asymmetric, groups of 128"),
@@ -35,13 +35,13 @@ ROWS = {
 MODEL = "smollm2-135m"
 
 
-def lm_head(quant: str | None) -> str:
-    if quant is None:
+def lm_head(quant: str) -> str:
+    if quant == "none":
         return "float"
     return "file's Q8_0" if quant == "gguf" else "int8"
 
 
-def path_label(result: dict, quant: str | None) -> str:
+def path_label(result: dict, quant: str) -> str:
     if result["decode_path"] == "native":
         return "native C++ step"
     if quant in ("mxfp4", "nvfp4", "int4"):

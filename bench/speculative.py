@@ -56,7 +56,7 @@ class Fastdecode:
             extension.load = lambda name, *a, **kw: ops if name == "fastdecode_native" else load(name, *a, **kw)
         from fastdecode import LLM
 
-        self.llm = LLM(model, quant=quant or None, threads=threads, speculate=config)
+        self.llm = LLM(model, quant=quant or "none", threads=threads, speculate=config)
 
     def run(self, ids, max_tokens, penalty):
         from fastdecode import SamplingParams

@@ -73,7 +73,7 @@ def worker(args):
             llm.follow()
             return
     else:
-        llm = LLM(args.model, threads=args.threads, max_seq_len=512, native=args.native)
+        llm = LLM(args.model, quant="none", threads=args.threads, max_seq_len=512, native=args.native)
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
     runs = [llm.generate(PROMPT, params) for _ in range(args.repeats)]

@@ -37,7 +37,7 @@ def main():
     from fastdecode import LLM
     from fastdecode.speculative.model_drafters import forward_logits
 
-    llm = LLM(a.model, quant=a.quant or None, threads=a.threads, engine=False)  # times the static-cache step
+    llm = LLM(a.model, quant=a.quant or "none", threads=a.threads, engine=False)  # times the static-cache step
     if llm.decoder is None:
         raise SystemExit("error: the native kernels are not available on this machine")
     kernels = {"current": llm.decoder.ops}

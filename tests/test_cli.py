@@ -28,6 +28,16 @@ def test_generate_streams_text_then_a_speed_line(runner, smollm2_path):
     assert "decode" in result.stderr and "tok/s" in result.stderr
 
 
+@pytest.mark.parametrize("flags,quant", [([], "gguf"), (["--quant", "none"], "none"), (["--dtype", "float32"], "none"),
+                                         (["--quant", "int4"], "int4")],
+                         ids=["default-file-format", "quant-none", "dtype-alone", "int4"])
+def test_a_gguf_runs_in_its_own_format_unless_float_or_a_scheme_is_asked(runner, smollm2_path, flags, quant):
+    result = runner.invoke(main, ["generate", "-m", str(smollm2_path), "-p", "Hi", "--max-tokens", "2", "--json",
+                                  "--max-seq-len", "64", "--speculate", "none", *flags])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.strip().splitlines()[-1])["quant"] == quant
+
+
 def one_line_error(result) -> str:
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]

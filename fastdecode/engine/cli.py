@@ -23,11 +23,13 @@ def model_options(f):
     options = [
         click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
                      help="Registered name (see `fastdecode models`), GGUF file or Hugging Face directory."),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
-                     show_default=True, help="Precision of the weights held in memory."),
-        click.option("--quant", type=click.Choice(["none", "int8", "int4", "mxfp4", "nvfp4", "gguf"]), default="none",
-                     show_default=True, help="Weight-only quantization applied after loading (gguf: keep the file's "
-                                             "own Q8_0/Q4_0/Q4_1 blocks)."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                     help="Precision of float weights (default float32). Given without --quant, the model runs in "
+                          "float weights."),
+        click.option("--quant", type=click.Choice(["none", "int8", "int4", "mxfp4", "nvfp4", "gguf"]), default=None,
+                     help="Weight format. Default: a GGUF file's own (gguf: Q8_0/Q4_0/Q4_1 blocks kept as they are, "
+                          "other types requantized to int8), float for a Hugging Face directory. none: float "
+                          "weights (the reference); int8/int4/mxfp4/nvfp4: quantized after loading."),
         click.option("--group-size", type=int, default=32, show_default=True, help="Group size for int4."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's)."),
         click.option("--max-seq-len", type=click.IntRange(min=16), default=4096, show_default=True,
@@ -79,10 +81,12 @@ def build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate="
     from fastdecode.engine.llm import LLM
 
     make, engine = LLM, dict(max_batch=max_batch, kv_cache_gb=kv_cache_gb, prefix_cache=prefix_cache)
+    if dtype is not None and quant is None:  # a float precision asked for: float weights
+        quant = "none"
     if tp > 1:
         from fastdecode.parallel.cli import build_parallel_llm
         make, engine = functools.partial(build_parallel_llm, tp), {}  # ranks > 0 follow rank 0, then exit
-    return make(model, dtype=dtype, quant=None if quant == "none" else quant, group_size=group_size,
+    return make(model, dtype=dtype or "float32", quant=quant, group_size=group_size,
                 threads=threads, max_seq_len=max_seq_len, speculate=speculate,
                 progress=lambda items: track(items, description="loading weights", console=err, transient=True),
                 log=lambda msg: err.print(f"[dim]{msg}[/dim]"), **engine)
@@ -144,7 +148,7 @@ def generate(prompt, as_chat, system, as_json, speed_table, **kw):
         prompt_ids = llm.encode_prompt(prompt)
     if as_json:
         completion = llm.generate(prompt_ids, params)
-        out = {k: engine[k] for k in ("model", "dtype", "quant")} | completion.as_dict()
+        out = {"model": engine["model"], "dtype": llm.dtype, "quant": llm.quant or "none", **completion.as_dict()}
         click.echo(json.dumps(out))
         return
     completion = stream_to_stdout(llm.stream(prompt_ids, params))

@@ -16,7 +16,7 @@ from fastdecode.engine.sampling import Sampler, SamplingParams
 from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.errors import InvalidRequestError
 from fastdecode.kernels.decoder import native_decoder
-from fastdecode.loading import load_model, load_tokenizer
+from fastdecode.loading import load_model, load_tokenizer, resolve_quant
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
 from fastdecode.runners import build_runner
 from fastdecode.speculative import build_speculator
@@ -74,9 +74,10 @@ class LLM:
                  speculate: str = "none", progress=None, log=lambda *a: None, load=load_model,
                  max_batch: int = 8, kv_cache_gb: float | None = None, prefix_cache: bool = True,
                  engine: bool = True, scheduler: SchedulerConfig | None = None):
-        """`load(path, dtype, progress) -> model` builds the model (tensor parallelism passes its shard loader and
-        engine=False: its ranks run the single-request loop over the model's static cache, as do the drafters that
-        run a model, `--speculate layerskip|draft:MODEL|eagle`). Everything else runs on the serving engine."""
+        """quant None runs a GGUF file in its own formats and a directory in float; "none" asks for float weights.
+        `load(path, dtype, progress, quant) -> model` builds the model (tensor parallelism passes its shard loader
+        and engine=False: its ranks run the single-request loop over the model's static cache, as do the drafters
+        that run a model, `--speculate layerskip|draft:MODEL|eagle`). Everything else runs on the serving engine."""
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         if threads:
@@ -84,11 +85,11 @@ class LLM:
         self.path = resolve(model, log=log)
         self.name = model
         self.dtype = dtype
-        self.quant = quant
-        self.model = load(self.path, DTYPES[dtype], progress)
+        self.quant = quant = resolve_quant(self.path, quant)
+        self.model = load(self.path, DTYPES[dtype], progress, quant)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
-        if quant:
+        if quant not in (None, "gguf"):  # "gguf" is the loaded format itself
             from fastdecode.quant import quantize_model
             quantize_model(self.model, quant, group_size=group_size)
         self.max_seq_len = min(max_seq_len, self.config.max_position_embeddings)

@@ -47,7 +47,7 @@ def reference(model: str, config: EvalConfig | None = None, threads: int | None 
     from fastdecode.engine.llm import LLM
 
     config = config or EvalConfig()
-    llm = LLM(model, dtype="float32", threads=threads, max_seq_len=max_seq_len(config), log=log)
+    llm = LLM(model, dtype="float32", quant="none", threads=threads, max_seq_len=max_seq_len(config), log=log)
     windows, files = corpus_windows(lambda text: llm.tokenizer.encode(text, add_special_tokens=False),
                                     config.n_windows, config.window)
     scores = score(llm.model, windows, progress("float32 reference: corpus"))

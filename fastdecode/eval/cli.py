@@ -63,7 +63,7 @@ def eval_command(positional_model, model, dtype, quant, group_size, reference, t
     config = EvalConfig(tokens=tokens, window=window, greedy_tokens=greedy_tokens)
     log = lambda msg: err.print(f"[dim]{msg}[/dim]")  # noqa: E731
     ref = make_reference(reference_model(model, reference), config, threads, progress, log)
-    llm = LLM(model, dtype=dtype, quant=None if quant == "none" else quant, group_size=group_size, threads=threads,
+    llm = LLM(model, dtype=dtype, quant=quant, group_size=group_size, threads=threads,
               max_seq_len=max(window, 256), log=log)
     label = f"{dtype}{'' if quant == 'none' else ' + ' + quant}"
     result = {"model": model, "dtype": dtype, "quant": quant, "group_size": group_size if quant == "int4" else None,

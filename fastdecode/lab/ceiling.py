@@ -13,17 +13,20 @@ from fastdecode.roofline.models import get_model
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def serve_weight_format(serve_args: tuple[str, ...]) -> tuple[str, int, int | None]:
-    """(roofline dtype, int4 group size, threads) that `fastdecode serve` options imply; the engine holds GGUF
-    weights dequantized to --dtype (float32 by default) unless --quant says otherwise."""
+def serve_weight_format(serve_args: tuple[str, ...]) -> tuple[str | None, int, int | None]:
+    """(roofline dtype, int4 group size, threads) that `fastdecode serve` options imply: None (the file's own
+    formats, as published) where neither --quant nor --dtype is given or --quant is gguf, else the --quant scheme or
+    float weights in --dtype."""
     words = [w for arg in serve_args for w in shlex.split(arg)]
     opts = {}
     for i, w in enumerate(words):
         if w.startswith("--"):
             name, eq, value = w.partition("=")
             opts[name] = value if eq else (words[i + 1] if i + 1 < len(words) else "")
-    quant = opts.get("--quant", "none")
+    quant = opts.get("--quant", None if "--dtype" not in opts else "none")
     dtype = quant if quant in ("int8", "int4") else DTYPE_NAMES.get(opts.get("--dtype", "float32"), "fp32")
+    if quant in (None, "gguf"):
+        dtype = None
     threads = int(opts["--threads"]) if opts.get("--threads", "").isdigit() else None
     group = int(opts["--group-size"]) if opts.get("--group-size", "").isdigit() else 32
     return dtype, group, threads

@@ -7,19 +7,34 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fastdecode.errors import ModelFileError
+from fastdecode.errors import ModelFileError, UnsupportedModelError
 from fastdecode.models import model_class
 
 
-def load_model(path, dtype: torch.dtype = torch.float32, progress=None):
+def resolve_quant(path, quant: str | None) -> str | None:
+    """The weight scheme a model runs with: `quant` as asked ("none": float weights), or where none is asked, a GGUF
+    file's own formats ("gguf") and float weights for a directory."""
+    if quant is None:
+        return "gguf" if Path(path).is_file() else None
+    return None if quant == "none" else quant
+
+
+def load_model(path, dtype: torch.dtype = torch.float32, progress=None, quant: str | None = None):
     """Builds the model from a GGUF file, a Hugging Face directory or a quantized checkpoint that `fastdecode
-    quantize` wrote; float weights held in `dtype`."""
+    quantize` wrote; float weights held in `dtype`. quant "gguf" keeps a GGUF file's matrices in their own formats
+    (gguf_native); any other value loads float weights, for quantize_model to transform."""
     from fastdecode.loading.gguf_loader import load_gguf
+    from fastdecode.loading.gguf_native import load_gguf_native
     from fastdecode.loading.hf_loader import load_hf_dir
     from fastdecode.quant.checkpoint import is_quantized_checkpoint, load_quantized
 
     path = Path(path)
     freq_factors = None
+    if quant == "gguf" and path.is_file():
+        return load_gguf_native(path, dtype, progress)
+    if quant == "gguf" and path.is_dir():
+        raise UnsupportedModelError(f"--quant gguf keeps a GGUF file's own quantized weights; {path} is not a GGUF "
+                                    "file")
     if is_quantized_checkpoint(path):
         return load_quantized(path, dtype)
     if path.is_dir():
@@ -36,7 +51,6 @@ def load_model(path, dtype: torch.dtype = torch.float32, progress=None):
     except (ValueError, RuntimeError) as e:  # a shape load_weights refuses, or q/k/v shards torch.cat cannot join
         raise ModelFileError(f"{path}: {e}") from None
     model.rope_freq_factors = freq_factors
-    model.checkpoint_path = path  # `--quant gguf` reads the file's own quantized blocks from here
     return model.eval()
 
 

@@ -9,6 +9,7 @@ hostile file fails with ModelFileError rather than a traceback, a long loop or a
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +43,10 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
-            self.mm = np.memmap(self.path, mode="r")
-            self.buf = memoryview(self.mm)  # slicing a memoryview is far cheaper than slicing a memmap
+            with open(self.path, "rb") as fh:
+                self.map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            self.mm = np.frombuffer(self.map, dtype=np.uint8)
+            self.buf = memoryview(self.mm)  # slicing a memoryview is far cheaper than slicing an array
         except (OSError, ValueError) as e:
             raise ModelFileError(f"cannot read GGUF file {self.path}: {e}") from None
         self.pos = 0
@@ -51,6 +54,15 @@ class GGUFFile:
             self.metadata, self.tensors = self._parse()
         except (struct.error, IndexError, UnicodeDecodeError, ValueError, OverflowError) as e:
             raise ModelFileError(f"{self.path} is not a valid GGUF file (truncated or corrupt: {e})") from None
+
+    def release(self, t: GGUFTensor):
+        """Drops a tensor's pages from this process's mapping once they have been copied out: they stay in the page
+        cache, but no longer count as this process's memory, so a loader holds one tensor of the file at a time."""
+        if not hasattr(mmap, "MADV_DONTNEED") or t.data.nbytes == 0:
+            return
+        start = t.data.ctypes.data - self.mm.ctypes.data
+        page = start // mmap.PAGESIZE * mmap.PAGESIZE
+        self.map.madvise(mmap.MADV_DONTNEED, page, start + t.data.nbytes - page)
 
     # ---- primitive readers -------------------------------------------------------------------------------------
     def _unpack(self, fmt: str):

@@ -1,5 +1,5 @@
 """GGUF checkpoint -> ModelConfig and Hugging Face-named float tensors (dequantized with the `gguf` package), and
-the Q8_0/Q4_0/Q4_1 block tensors as they are, for the int8/int4 modules that hold those layouts (`--quant gguf`)."""
+the Q8_0/Q4_0/Q4_1 block tensors as they are, for the int8/int4 modules that hold those layouts (gguf_native)."""
 from __future__ import annotations
 
 import numpy as np
@@ -56,11 +56,39 @@ def dequantize_tensor(t) -> np.ndarray:
     return dequantize(np.asarray(t.data), t.type).reshape(t.shape)
 
 
+def gguf_config(f: GGUFFile) -> ModelConfig:
+    config = ModelConfig.from_gguf(f.metadata)
+    config.tie_word_embeddings = "output.weight" not in f.tensors
+    return config
+
+
+def permuted_heads(name: str, config: ModelConfig) -> int | None:
+    """Heads whose q/k rows llama.cpp permuted at convert time (see unpermute_rows), or None for other tensors."""
+    if config.family != "llama":
+        return None
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return config.num_attention_heads
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return config.num_key_value_heads
+    return None
+
+
+def float_tensor(t, name: str, config: ModelConfig) -> np.ndarray:
+    """A GGUF tensor as the float32 values of the Hugging Face weight `name` (a fresh array: the file is mapped
+    read-only)."""
+    w = dequantize_tensor(t)
+    heads = permuted_heads(name, config)
+    if heads is not None:
+        w = unpermute_rows(w, heads)
+    if config.family == "gemma3" and name.endswith("norm.weight"):
+        w = w - 1.0  # llama.cpp's converter stores Gemma norms as (1 + w); keep Hugging Face's convention
+    return np.array(w, dtype=np.float32)
+
+
 def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
     """Returns (config, weights, rope_freq_factors, gguf_file). `progress` wraps an iterable, e.g. rich's track."""
     f = GGUFFile(path)
-    config = ModelConfig.from_gguf(f.metadata)
-    config.tie_word_embeddings = "output.weight" not in f.tensors
+    config = gguf_config(f)
     tensors = list(f.tensors.values())
     if progress is not None:
         tensors = progress(tensors)
@@ -70,16 +98,8 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
             freq_factors = torch.from_numpy(dequantize_tensor(t).copy())
             continue
         name = hf_name(t.name, config.family)
-        if name is None:
-            continue
-        w = dequantize_tensor(t)
-        if config.family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_rows(w, config.num_attention_heads)
-        elif config.family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_rows(w, config.num_key_value_heads)
-        if config.family == "gemma3" and name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp's converter stores Gemma norms as (1 + w); keep Hugging Face's convention
-        weights[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)  # copy: the file is mapped read-only
+        if name is not None:
+            weights[name] = torch.from_numpy(float_tensor(t, name, config)).to(dtype)
     if "embed_tokens.weight" not in weights:
         raise ModelFileError(f"{path}: no token_embd.weight tensor")
     return config, weights, freq_factors, f
@@ -91,34 +111,18 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
 BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
 
 
-def block_tensors(t) -> dict[str, torch.Tensor]:
-    """A Q8_0 tensor (N, K) -> {"qweight" (N, K) int8, "scales" (N, K/32) fp16}; Q4_0/Q4_1 -> {"qweight" (N, K/2)
-    uint8 with element 2i in the low nibble, "scales", "mins" (N, K/32) fp16}: the checkpoint layout of the quant
-    modules (fastdecode.quant), with no value rounded on the way."""
+def block_tensors(t, heads: int | None = None) -> dict[str, torch.Tensor]:
+    """A Q8_0 tensor (N, K) -> {"qweight" (N, K) int8, "scales" (N, K/32) fp16}; Q4_0/Q4_1 -> {"blocks" (N, K/32, 16)
+    uint8, the block's nibble bytes as they are, "scales", "mins" (N, K/32) fp16}: what the quant modules'
+    from_tensors take (fastdecode.quant), with no value rounded on the way. `heads` (permuted_heads) undoes llama.cpp's q/k
+    row permutation: rows are whole blocks, so it moves bytes, not values."""
     N, K = t.shape
+    if heads is not None:
+        return {k: torch.from_numpy(unpermute_rows(v.numpy(), heads).copy()) for k, v in block_tensors(t).items()}
     raw = torch.from_numpy(np.array(t.data)).view(N, K // 32, BLOCK_BYTES[t.type])  # copy: the file is read-only
     half = lambda lo: raw[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0]  # noqa: E731  (N, K/32)
     if t.type == GGMLQuantizationType.Q8_0:
         return {"qweight": raw[..., 2:].contiguous().view(torch.int8).reshape(N, K), "scales": half(0)}
-    qs = raw[..., -16:]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(N, K)  # each block's 32 values in order
     d = half(0)
     m = half(2) if t.type == GGMLQuantizationType.Q4_1 else -8 * d  # Q4_0: d*(q-8) = d*q + (-8d), exact in fp16
-    return {"qweight": q[:, 0::2] | q[:, 1::2] << 4, "scales": d, "mins": m}
-
-
-def load_gguf_blocks(path, config: ModelConfig) -> dict[str, tuple[str, dict[str, torch.Tensor] | None]]:
-    """Hugging Face name of every 2-D weight -> (GGML type name, block_tensors() for a type in BLOCK_BYTES, else
-    None), with llama.cpp's q/k row permutation undone (rows are whole blocks, so it moves bytes, not values)."""
-    f = GGUFFile(path)
-    out = {}
-    for t in f.tensors.values():
-        name = hf_name(t.name, config.family)
-        if name is None or len(t.shape) != 2:
-            continue
-        tensors = block_tensors(t) if t.type in BLOCK_BYTES else None
-        if tensors is not None and config.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            tensors = {k: torch.from_numpy(unpermute_rows(v.numpy(), heads).copy()) for k, v in tensors.items()}
-        out[name] = (t.type.name, tensors)
-    return out
+    return {"blocks": raw[..., -16:], "scales": d, "mins": m}  # a view: packing copies it once

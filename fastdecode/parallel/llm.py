@@ -38,11 +38,14 @@ class ParallelLLM(LLM):
         if quant == "gguf":
             raise InvalidRequestError("--quant gguf keeps a GGUF file's whole tensors, which --tp cannot shard: use "
                                       "--quant int8 or int4")
+        quant = quant or "none"  # shards are cut from float weights; a GGUF's own formats are not the default here
         # A model that cannot be split fails here, before the ranks meet (and without torchrun too).
         ShardPlan.build(checkpoint_config(resolve(model))[0], 0, tp)
         self.group = group = init_group(tp, timeout_s)
         lead = group.leads
-        load = lambda path, dtype, progress: load_shard(path, group.rank, group.world, dtype, progress)  # noqa: E731
+
+        def load(path, dtype, progress, quant):  # quant: float here (see above); LLM quantizes the shard after
+            return load_shard(path, group.rank, group.world, dtype, progress)
         super().__init__(model, quant=quant, native=False, speculate="none", engine=False,
                          progress=progress if lead else None,
                          log=log if lead else (lambda *a: None), load=load, **kw)

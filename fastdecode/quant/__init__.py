@@ -1,19 +1,18 @@
 """Weight-only quantization as a model transform: `quantize_model` swaps every nn.Linear for a quantized module, so
 the model file never learns about it. Embedding lookups keep their float table, also where lm_head is tied to it.
 
-    model = quantize_model(model, "int4")  # int8 | int4 | mxfp4 | nvfp4 | gguf; weight_bytes(model) sums one forward
+    model = quantize_model(model, "int4")  # int8 | int4 | mxfp4 | nvfp4; weight_bytes(model) sums one forward
 
 Schemes: int8 and int4 run on native AVX2 kernels (or PyTorch's); mxfp4 and nvfp4 are dequantized at every forward
-(fp4.py); gguf keeps a GGUF file's own Q8_0/Q4_0/Q4_1 blocks in the int8/int4 modules, which hold those layouts.
-Every module is built from `encode_linear`'s tensors, the same ones a quantized checkpoint stores (checkpoint.py).
+(fp4.py). Every module is built from `encode_linear`'s tensors, the same ones a quantized checkpoint stores
+(checkpoint.py). A GGUF file's own Q8_0/Q4_0/Q4_1 blocks go into the int8/int4 modules while it loads
+(`load_model(path, quant="gguf")`, fastdecode.loading.gguf_native), without a float model in between.
 """
 import logging
-from collections import Counter
 
 import torch
 from torch import nn
 
-from fastdecode.errors import UnsupportedModelError
 from fastdecode.quant.fp4 import BLOCK_SIZE, Fp4Linear
 from fastdecode.quant.int4 import Int4Linear
 from fastdecode.quant.int8 import Int8Linear
@@ -24,7 +23,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Fp4Linear", "Int4Linear", "Int8Linear", "encode_linear", "build_linear", "quantize_linear",
            "quantize_model", "weight_bytes"]
 WEIGHT_SCHEMES = ("int8", "int4", "mxfp4", "nvfp4")  # computed from float weights
-SCHEMES = (*WEIGHT_SCHEMES, "gguf")
 
 
 def fits(scheme: str, out_features: int, in_features: int, group_size: int) -> bool:
@@ -65,7 +63,8 @@ def plan(model: nn.Module, scheme: str, group_size: int = 32, lm_head_scheme: st
     scheme takes stay float (logged)."""
     for s in (scheme, lm_head_scheme or scheme):
         if s not in WEIGHT_SCHEMES:
-            raise ValueError(f"unknown quantization scheme {s!r}; known: {SCHEMES}")
+            raise ValueError(f"unknown quantization scheme {s!r}; known: {WEIGHT_SCHEMES} (gguf is chosen when "
+                             "loading: load_model(path, quant='gguf'))")
     out = []
     for name, module in model.named_modules():
         if type(module) is not nn.Linear:
@@ -88,60 +87,12 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, backend:
     same as the rest), int8 by default: on SmolLM2-135M's Q4_1 GGUF (Q4_1 blocks, a Q8_0 tied head), teacher-forced
     over 256 tokens of code, int4 everywhere keeps 87% of the float model's greedy tokens and int4 with an int8 head
     97%, for 12 MB more per token. (The native formats reproduce those Q4_1 and Q8_0 weights exactly; the
-    rest is the int4 kernel's int8 rounding of activations.) "gguf" ignores group_size and lm_head_scheme: every matrix
-    keeps the file's own type.
+    rest is the int4 kernel's int8 rounding of activations.)
     """
-    if scheme == "gguf":
-        return keep_gguf_weights(model, backend)
     for name, s in plan(model, scheme, group_size, lm_head_scheme):
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
         setattr(owner, child, quantize_linear(getattr(owner, child), s, group_size, backend))
-    return model
-
-
-def keep_gguf_weights(model: nn.Module, backend: str | None = None) -> nn.Module:
-    """The "gguf" scheme: each nn.Linear whose GGUF tensors are all Q8_0 (-> Int8Linear) or all Q4_0/Q4_1
-    (-> Int4Linear, groups of 32) takes those blocks as they are, from the file the model was loaded from. Float
-    tensors stay float; other types (K-quants, Q5_x) have no kernel here and are requantized to int8, with a warning."""
-    from fastdecode.loading.gguf_loader import load_gguf_blocks
-    from fastdecode.models.transformer import PACKED_MODULES
-
-    path = getattr(model, "checkpoint_path", None)
-    if path is None or not str(path).endswith(".gguf"):
-        raise UnsupportedModelError(f"--quant gguf keeps a GGUF file's own quantized weights; {path} is not a GGUF "
-                                    "file")
-    blocks = load_gguf_blocks(path, model.config)
-    shards = {}  # our packed module name -> its Hugging Face shard names, in packing order
-    for hf, (ours, index) in PACKED_MODULES.items():
-        shards.setdefault(ours, {})[index] = hf
-    kept, requantized = Counter(), Counter()
-    for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear:
-            continue
-        prefix, _, leaf = name.rpartition(".")
-        if name == "lm_head":
-            sources = ["lm_head.weight" if "lm_head.weight" in blocks else "embed_tokens.weight"]
-        else:
-            parts = [shards[leaf][i] for i in sorted(shards[leaf])] if leaf in shards else [leaf]
-            sources = [f"{prefix}.{p}.weight" for p in parts]
-        owner = model.get_submodule(prefix)
-        types = {blocks[s][0] for s in sources}
-        kind = types.pop() if len(types) == 1 else None
-        if kind in ("F32", "F16", "BF16"):
-            continue
-        scheme = "int8" if kind == "Q8_0" else "int4"
-        if kind in ("Q8_0", "Q4_0", "Q4_1") and fits(scheme, module.out_features, module.in_features, 32):
-            tensors = {k: torch.cat([blocks[s][1][k] for s in sources]) for k in blocks[sources[0]][1]}
-            setattr(owner, leaf, build_linear(tensors, scheme, module.bias, module.in_features, 32, backend))
-            kept[kind] += 1
-            continue
-        requantized["/".join(sorted({blocks[s][0] for s in sources}))] += 1
-        setattr(owner, leaf, quantize_linear(module, "int8", backend=backend))
-    log.info("gguf: kept compressed: %s", dict(kept) or "none")
-    for kind, n in requantized.items():
-        log.warning("gguf: %d matrices of type %s have no kernel that keeps them compressed; requantized to int8",
-                    n, kind)
     return model
 
 

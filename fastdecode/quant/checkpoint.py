@@ -155,5 +155,4 @@ def load_quantized(path, dtype: torch.dtype = torch.float32, backend: str | None
             raise ModelFileError(f"{name}: checkpoint shape {tuple(tensors[name].shape)} != model {tuple(p.shape)}")
         p.data = tensors[name].to(dtype)
     model.rope_freq_factors = tensors.get("rope_freq_factors")
-    model.checkpoint_path = path
     return model.eval()

@@ -57,17 +57,30 @@ def pack_for_aten(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor):
     return packed, scales_and_zeros
 
 
-def pack_native(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    """-> (N/4, K/64, 160) uint8: per tile of 4 rows and pair of 32-blocks, the 8 fp16 scales and the 8 fp16 mins
-    in (row, block) order, then each row's 32 bytes, byte j of a block = q[j] | q[j+16] << 4 (see kernels.cpp)."""
+def to_blocks(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) in 0..15 -> (N, K/32, 16) uint8 in block order: byte j of a block = q[j] | q[j+16] << 4, the order of
+    the native kernel and of a GGUF Q4_0/Q4_1 block."""
     N, K = q.shape
     blocks = q.reshape(N, K // 32, 2, 16)
-    qs = (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(N // 4, 4, K // 64, 32).transpose(1, 2)
+    return blocks[:, :, 0] | blocks[:, :, 1] << 4
 
-    def tiles(t):  # (N, K/32) -> (N/4, K/64, 4 rows, 2 blocks)
-        return t.half().reshape(N // 4, 4, K // 64, 2).transpose(1, 2)
-    dm = torch.stack([tiles(scale), tiles(mn)], dim=2).reshape(N // 4, K // 64, 16).view(torch.uint8)
-    return torch.cat([dm, qs.reshape(N // 4, K // 64, 128)], dim=-1).contiguous()
+
+def from_blocks(qs: torch.Tensor) -> torch.Tensor:
+    N = qs.shape[0]
+    return torch.cat([qs & 15, qs >> 4], dim=-1).reshape(N, -1)
+
+
+def pack_native(qs: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """qs (N, K/32, 16) in block order (to_blocks) -> (N/4, K/64, 160) uint8: per tile of 4 rows and pair of
+    32-blocks, the 8 fp16 scales and the 8 fp16 mins in (row, block) order, then each row's 32 bytes (see
+    kernels.cpp). Bytes move, no value is unpacked: a GGUF file's blocks go in as they are."""
+    N, K = qs.shape[0], qs.shape[1] * 32
+    out = torch.empty(N // 4, K // 64, 160, dtype=torch.uint8)  # written once, from strided views of the inputs
+    out[..., 32:].view(N // 4, K // 64, 4, 2, 16).copy_(qs.view(N // 4, 4, K // 64, 2, 16).transpose(1, 2))
+    dm = out[..., :32].view(torch.float16).view(N // 4, K // 64, 2, 4, 2)  # (scale|min, row, block)
+    for i, t in enumerate((scale, mn)):
+        dm[:, :, i].copy_(t.reshape(N // 4, 4, K // 64, 2).transpose(1, 2))
+    return out
 
 
 def native_fits(out_features: int, in_features: int, group_size: int) -> bool:
@@ -80,18 +93,23 @@ def aten_fits(out_features: int, in_features: int, group_size: int) -> bool:
 
 class Int4Linear(QuantLinear):
     native_op = "q4_linear"
+    row_backends = ("native", "lut")
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int, backend: str, in_features: int | None = None):
-        """q (N, Kp) uint8 in 0..15, scale and min (N, Kp / group_size); Kp is in_features padded to whole groups."""
+        """q (N, Kp) uint8 in 0..15, or (N, Kp/32, 16) in block order (to_blocks; a GGUF block's, which the native
+        layout takes without unpacking); scale and min (N, Kp / group_size); Kp is in_features padded to whole
+        groups."""
         super().__init__()
-        self.out_features, padded = q.shape
+        if q.dim() == 3 and backend != "native":
+            q = from_blocks(q)
+        self.out_features, padded = q.shape[0], q.shape[1] * (32 if q.dim() == 3 else 1)
         self.in_features = in_features or padded
         self.group_size, self.backend = group_size, backend
         if backend == "native":
             if not native_fits(self.out_features, padded, group_size) or padded != self.in_features:
                 raise ValueError(f"native int4 needs groups of 32, in % 64 == 0, out % 4 == 0; got {tuple(q.shape)}")
-            self.register_buffer("qweight", pack_native(q, scale, mn))
+            self.register_buffer("qweight", pack_native(q if q.dim() == 3 else to_blocks(q), scale, mn))
         elif backend == "lut":
             self.register_buffer("qweight", pack_nibbles(q))
             self.register_buffer("scales", scale.half())
@@ -128,8 +146,10 @@ class Int4Linear(QuantLinear):
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], bias: torch.Tensor | None = None, group_size: int = 32,
                      backend: str | None = None, in_features: int | None = None):
-        q = unpack_nibbles(t["qweight"])
-        in_features = in_features or q.shape[1]
+        """encode()'s tensors, or a GGUF Q4_0/Q4_1 tensor's: {"blocks" (N, K/32, 16) in block order, "scales",
+        "mins"} (groups of 32)."""
+        q = t["blocks"] if "blocks" in t else unpack_nibbles(t["qweight"])
+        in_features = in_features or q.shape[1] * (32 if q.dim() == 3 else 1)
         backend = cls.resolve_backend((q.shape[0], in_features), group_size, backend)
         return cls(q, t["scales"].float(), t["mins"].float(), bias, group_size, backend, in_features)
 
@@ -141,6 +161,21 @@ class Int4Linear(QuantLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 32, backend: str | None = None):
         return cls.from_weight(linear.weight, linear.bias, group_size, backend)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (n,) of the weight, dequantized: (n, in_features) float32, value for value what the stored
+        blocks hold (q * d + m is exact in float32), for an embedding that shares this matrix (QuantEmbedding)."""
+        if self.backend == "lut":
+            q = unpack_nibbles(self.qweight[ids])
+            w = dequantize_groupwise(q, self.scales[ids].float(), self.mins[ids].float())
+            return w[:, :self.in_features]
+        n, pick = len(ids), (torch.arange(len(ids)), ids % 4)
+        tiles = self.qweight[ids // 4]  # (n, K/64, 160), see pack_native
+        dm = tiles[..., :32].contiguous().view(torch.float16).view(n, -1, 2, 4, 2)  # (scale|min, row, block)
+        dm = dm.permute(0, 3, 1, 2, 4)[pick].float()  # (n, K/64, scale|min, block)
+        qs = tiles[..., 32:].reshape(n, -1, 4, 32).transpose(1, 2)[pick].reshape(n, -1, 16)  # (n, K/32, 16)
+        q = from_blocks(qs).view(n, -1, 32).float()
+        return (q * dm[:, :, 0].reshape(n, -1, 1) + dm[:, :, 1].reshape(n, -1, 1)).reshape(n, -1)
 
     def mm(self, x2d: torch.Tensor) -> torch.Tensor:
         groups = self.scales.shape[1] if self.backend == "lut" else self.scales_and_zeros.shape[0]

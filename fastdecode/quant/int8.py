@@ -34,11 +34,6 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def from_symmetric(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 blocks (int8 q, d) -> (uint8 q + 128, m = -128 d): the same values (128 d is exact in fp16)."""
-    return (q.to(torch.int16) + 128).to(torch.uint8), -128 * scale
-
-
 def quantize_blockwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w (N, K) float -> q (N, K) uint8, scale d and offset m (N, K/32) float32, fp16-exact; per block the better
     (least squared error) of the asymmetric and the symmetric encoding."""
@@ -68,18 +63,21 @@ def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tenso
     return g.reshape(N, K)
 
 
-def pack_native(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """-> (N/4, K/32, 144) uint8: per tile of 4 rows and block of 32, the 4 fp16 scales, the 4 fp16 offsets, then
-    each row's 32 values, in the order quant.cpp reads them. Where every block is symmetric (a Q8_0 tensor), the
-    offsets are left out and the values stored as int8: (N/4, K/32, 136), 6% fewer bytes to read."""
+def pack_native(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    """q (N, K) uint8 with offsets `mins`, or int8 with mins None (Q8_0: w = d q) -> (N/4, K/32, 144) uint8: per tile
+    of 4 rows and block of 32, the 4 fp16 scales, the 4 fp16 offsets, then each row's 32 values, in the order
+    quant.cpp reads them. Where every block is symmetric (a Q8_0 tensor), the offsets are left out and the values
+    stored as int8: (N/4, K/32, 136), 6% fewer bytes to read."""
     N, K = q.shape
-    tile = lambda t: t.half().reshape(N // 4, 4, K // QK).transpose(1, 2).contiguous().view(torch.uint8)  # noqa: E731
-    symmetric = torch.equal(mins, -128 * scale)
-    if symmetric:
-        q = (q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
-    values = q.reshape(N // 4, 4, K // QK, QK).transpose(1, 2).reshape(N // 4, K // QK, 4 * QK)
-    parts = [tile(scale)] + ([] if symmetric else [tile(mins)]) + [values]
-    return torch.cat(parts, dim=-1).contiguous()
+    if mins is not None and torch.equal(mins, -128 * scale):
+        q, mins = (q.to(torch.int16) - 128).to(torch.int8), None
+    head = 8 if mins is None else 16
+    out = torch.empty(N // 4, K // QK, head + 4 * QK, dtype=torch.uint8)  # written once, from strided views
+    out[..., head:].view(N // 4, K // QK, 4, QK).copy_(q.view(torch.uint8).reshape(N // 4, 4, K // QK, QK)
+                                                       .transpose(1, 2))
+    for i, t in enumerate([scale] if mins is None else [scale, mins]):
+        out[..., 8 * i:8 * i + 8].view(torch.float16).copy_(t.reshape(N // 4, 4, K // QK).transpose(1, 2))
+    return out
 
 
 def native_fits(out_features: int, in_features: int) -> bool:
@@ -88,15 +86,17 @@ def native_fits(out_features: int, in_features: int) -> bool:
 
 class Int8Linear(QuantLinear):
     native_op = "q8_linear"
+    row_backends = ("native",)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, bias: torch.Tensor | None,
                  backend: str):
-        """native: q (N, K) uint8, scale and mins (N, K/32); aten: q (N, K) int8, scale (N,), mins None."""
+        """native: q (N, K) uint8, scale and mins (N, K/32), or int8 q with mins None (Q8_0); aten: q (N, K) int8,
+        scale (N,), mins None."""
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.backend = backend
         if backend == "native":
-            if not native_fits(*q.shape) or scale.dim() != 2 or mins is None:
+            if not native_fits(*q.shape) or scale.dim() != 2 or (mins is None) != (q.dtype == torch.int8):
                 raise ValueError(f"native int8 needs block scales, out % 4 == 0 and in % 32 == 0; got {tuple(q.shape)}")
             self.register_buffer("qweight", pack_native(q, scale, mins))
         else:
@@ -131,8 +131,6 @@ class Int8Linear(QuantLinear):
         if backend != "native":
             log.warning("int8 block scales need the native kernel; requantizing %s per channel", tuple(q.shape))
             return cls(*quantize_per_channel(dequantize_blockwise(q, scale, mins)), None, bias, "aten")
-        if mins is None:  # Q8_0
-            q, mins = from_symmetric(q, scale)
         return cls(q, scale, mins, bias, backend)
 
     @classmethod
@@ -143,6 +141,20 @@ class Int8Linear(QuantLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, backend: str | None = None):
         return cls.from_weight(linear.weight, linear.bias, backend)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (n,) of the native weight, dequantized: (n, in_features) float32, value for value what the
+        stored blocks hold, for an embedding that shares this matrix (QuantEmbedding)."""
+        n, pick = len(ids), (torch.arange(len(ids)), ids % 4)
+        tiles = self.qweight[ids // 4]  # (n, K/32, 136 | 144), see pack_native
+        symmetric = tiles.shape[-1] == 4 * QK + 8
+        head = 8 if symmetric else 16
+        dm = tiles[..., :head].contiguous().view(torch.float16).view(n, -1, head // 8, 4)  # (scale[|min], row)
+        dm = dm.permute(0, 3, 1, 2)[pick].float()  # (n, K/32, scale[|min])
+        q = tiles[..., head:].reshape(n, -1, 4, QK).transpose(1, 2)[pick]  # (n, K/32, 32)
+        if symmetric:  # Q8_0: int8 values, w = d * q
+            return (q.view(torch.int8).float() * dm[..., :1]).reshape(n, -1)
+        return (q.float() * dm[..., :1] + dm[..., 1:]).reshape(n, -1)
 
     def mm(self, x2d: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2d, self.weight, self.scale)

@@ -21,8 +21,10 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 class QuantLinear(nn.Module):
     """Subclasses set out_features, in_features, backend, bias, `native_op` (a name in the native module taking
-    (x, qweight, bias)) and implement mm(x2d) -> (B*T, N) without the bias, for every other backend."""
+    (x, qweight, bias)) and implement mm(x2d) -> (B*T, N) without the bias, for every other backend; rows(ids) ->
+    (n, in_features) float32 for the backends in `row_backends`."""
     native_op: str
+    row_backends: tuple[str, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "native":

@@ -140,7 +140,7 @@ def train_drafter(o: TrainOptions, progress, log=print) -> dict:
     if o.threads:
         torch.set_num_threads(o.threads)
     o.out.mkdir(parents=True, exist_ok=True)
-    llm = LLM(o.model, threads=o.threads, max_seq_len=4096)  # float weights first: the head starts from them
+    llm = LLM(o.model, quant="none", threads=o.threads, max_seq_len=4096)  # float first: the head starts from it
     target = Target.of(llm.model)
     cfg = head_config_for(llm.model, o.kind, o.model, o.draft_vocab, mtp_depth=o.steps)
     if o.quant:

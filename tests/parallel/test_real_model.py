@@ -16,7 +16,8 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="module")
 def runs(smollm2_path):
     with single_thread():
-        one = LLM(str(smollm2_path), max_seq_len=256)  # TP=1 as users run it: the native decode step
+        # TP=1 on the native decode step, in float weights as the TP=2 shards hold them
+        one = LLM(str(smollm2_path), quant="none", max_seq_len=256)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         reference = [one.generate(p, params).token_ids for p in PROMPTS]
     return reference, run_ranks(real_model, WORLD, str(smollm2_path), *PROMPTS, MAX_TOKENS)

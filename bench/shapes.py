@@ -1,0 +1,286 @@
+"""Real-size models on this machine: random-weight GGUFs of real shapes, fastdecode against llama.cpp.
+
+    .venv/bin/python bench/shapes.py                      # Qwen2.5-Coder-1.5B and Llama-3.1-8B shapes, Q4_0 and Q8_0
+    .venv/bin/python bench/shapes.py --shapes qwen2.5-coder-1.5b --types Q4_0 --runs 1   # a smoke run
+
+Decode speed depends on shapes and bytes, not on values, so the files hold random blocks (a fixed scale, random
+codes) in the real tensor shapes, with SmolLM2's tokenizer padded to the real vocabulary so that llama.cpp loads
+them. They are written once into $FASTDECODE_HOME/shapes. Every run is a fresh process (load included), the engines
+alternate within each round, and the parent reads each child's peak resident memory (ru_maxrss, from wait4): file
+pages that a memory-mapping engine touches count, as they do for the machine. Writes shapes.json (with the commit)
+and shapes.md into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common import command_line, fmt, fmt_range, git, machine, markdown_table, stats, write_json
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str  # GGUF architecture
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+    rope_theta: float
+    eps: float
+    qkv_bias: bool = False
+
+
+SHAPES = {  # from each model's config.json
+    "qwen2.5-coder-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 151936, True, 1e6, 1e-6, qkv_bias=True),
+    "llama-3.2-3b": Shape("llama", 3072, 8192, 28, 24, 8, 128256, True, 5e5, 1e-5),
+    "llama-3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128256, False, 5e5, 1e-5),
+}
+# Block layout per type: (bytes per block of 32, scale chosen so weights have a std of about 0.02).
+BLOCKS = {"Q4_0": (18, 0.02 / 4.6), "Q8_0": (34, 0.02 / 74)}
+TOKENIZER_SOURCE = "smollm2-135m"
+
+
+# ---- writing the files -------------------------------------------------------------------------------------------
+def tensors(s: Shape):
+    """(GGUF name, PyTorch-order shape) of every tensor."""
+    head_dim = s.hidden // s.heads
+    yield "token_embd.weight", (s.vocab, s.hidden)
+    for i in range(s.layers):
+        b = f"blk.{i}"
+        yield f"{b}.attn_norm.weight", (s.hidden,)
+        for name, rows in (("attn_q", s.heads * head_dim), ("attn_k", s.kv_heads * head_dim),
+                           ("attn_v", s.kv_heads * head_dim)):
+            yield f"{b}.{name}.weight", (rows, s.hidden)
+            if s.qkv_bias:
+                yield f"{b}.{name}.bias", (rows,)
+        yield f"{b}.attn_output.weight", (s.hidden, s.heads * head_dim)
+        yield f"{b}.ffn_norm.weight", (s.hidden,)
+        yield f"{b}.ffn_gate.weight", (s.intermediate, s.hidden)
+        yield f"{b}.ffn_up.weight", (s.intermediate, s.hidden)
+        yield f"{b}.ffn_down.weight", (s.hidden, s.intermediate)
+    yield "output_norm.weight", (s.hidden,)
+    if not s.tied:
+        yield "output.weight", (s.vocab, s.hidden)
+
+
+def random_blocks(rng, shape, qtype: str) -> np.ndarray:
+    """(rows, bytes per row) uint8: random codes, every block's fp16 scale set to the type's."""
+    block_bytes, scale = BLOCKS[qtype]
+    rows, cols = shape
+    raw = np.frombuffer(rng.bytes(rows * cols // 32 * block_bytes), dtype=np.uint8).reshape(rows, -1, block_bytes)
+    raw = raw.copy()
+    raw[..., :2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def tokenizer_metadata(vocab: int) -> dict:
+    """SmolLM2's tokenizer keys, its vocabulary padded with unused tokens to `vocab` entries."""
+    from fastdecode.loading.catalog import resolve
+    from fastdecode.loading.gguf_file import GGUFFile
+
+    meta = {k: v for k, v in GGUFFile(resolve(TOKENIZER_SOURCE)).metadata.items() if k.startswith("tokenizer.")}
+    n = len(meta["tokenizer.ggml.tokens"])
+    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"] + [f"<unused_{i}>" for i in range(vocab - n)]
+    meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"] + [5] * (vocab - n)  # 5: UNUSED
+    return meta
+
+
+def write_shape(path: Path, s: Shape, qtype: str, seed: int = 0):
+    import gguf
+
+    w = gguf.GGUFWriter(None, s.arch)
+    a = s.arch
+    for key, value in [("context_length", 32768), ("embedding_length", s.hidden),
+                       ("feed_forward_length", s.intermediate), ("block_count", s.layers),
+                       ("attention.head_count", s.heads), ("attention.head_count_kv", s.kv_heads),
+                       ("rope.dimension_count", s.hidden // s.heads), ("vocab_size", s.vocab)]:
+        w.add_uint32(f"{a}.{key}", value)
+    w.add_float32(f"{a}.rope.freq_base", s.rope_theta)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", s.eps)
+    w.add_string("general.name", f"random {path.stem}")
+    for key, value in tokenizer_metadata(s.vocab).items():
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        else:
+            w.add_uint32(key, value)
+    qt = getattr(gguf.GGMLQuantizationType, qtype)
+    specs = list(tensors(s))
+    for name, shape in specs:
+        if len(shape) == 1:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
+        else:
+            nbytes = shape[0] * shape[1] // 32 * BLOCKS[qtype][0]
+            w.add_tensor_info(name, (shape[0], nbytes // shape[0]), np.dtype(np.uint8), nbytes, raw_dtype=qt)
+    tmp = path.with_suffix(".tmp")
+    w.write_header_to_file(tmp)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, shape in specs:  # one tensor in memory at a time
+        w.write_tensor_data(np.ones(shape, np.float32) if len(shape) == 1 else random_blocks(rng, shape, qtype))
+    w.close()
+    tmp.rename(path)
+
+
+def shape_file(name: str, qtype: str, log) -> Path:
+    from fastdecode.loading.catalog import fastdecode_home
+
+    path = fastdecode_home() / "shapes" / f"{name}-{qtype}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log(f"writing {path}")
+        write_shape(path, SHAPES[name], qtype)
+    return path
+
+
+# ---- one measured run, in a child process ------------------------------------------------------------------------
+def child(engine: str, path: str, prompt_tokens: int, tokens: int, threads: int, max_seq_len: int) -> dict:
+    prompt = [int(i) for i in np.random.default_rng(0).integers(100, 40000, prompt_tokens)]  # SmolLM2's ids
+    start = time.perf_counter()
+    if engine == "fastdecode":
+        from fastdecode import LLM, SamplingParams
+
+        llm = LLM(path, threads=threads, max_seq_len=max_seq_len, speculate="none")
+        load_s = time.perf_counter() - start
+        c = llm.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        t = c.timings
+        return {"load_s": load_s, "prefill_tok_s": t.prefill_tok_s, "decode_tok_s": t.output_tok_s,
+                "tokens": c.token_ids, "decode_path": "native" if llm.decoder is not None else "pytorch"}
+    import llama_cpp
+    from llama_cpp import Llama
+
+    from decode import no_extra_bufts, timed
+
+    if "AMX" in llama_cpp.llama_print_system_info().decode(errors="replace"):
+        no_extra_bufts(llama_cpp.llama_cpp)
+    llm = Llama(model_path=path, n_ctx=max_seq_len, n_threads=threads, n_threads_batch=threads, seed=0,
+                verbose=False)
+    load_s = time.perf_counter() - start
+    out, times = [], []
+    start = time.perf_counter()
+    for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        times.append(time.perf_counter())
+        out.append(token)
+        if len(out) == tokens:
+            break
+    r = timed(out, len(prompt), start, times)
+    return {"load_s": load_s, "prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"], "tokens": out,
+            "version": llama_cpp.__version__}
+
+
+def measure(engine: str, path: Path, args) -> dict:
+    """One fresh process: its result and its peak resident memory."""
+    cmd = [sys.executable, __file__, "--child", engine, str(path), "--prompt-tokens", str(args.prompt_tokens),
+           "--tokens", str(args.tokens), "--threads", str(args.threads), "--max-seq-len", str(args.max_seq_len)]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (Popen.wait would reap it without)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        out, err = out.read(), err.read()
+    peak = usage.ru_maxrss * 1024  # kilobytes on Linux
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (err.strip().splitlines() or ["no output"])[-1], "peak_rss_bytes": peak}
+    return {**json.loads(lines[-1]), "peak_rss_bytes": peak}
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------------
+def llama_cpp_installed() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def summarize(results: dict, files: dict, engines: list[str]) -> list[dict]:
+    rows = []
+    for (name, qtype), by_engine in results.items():
+        size = files[(name, qtype)].stat().st_size
+        for engine in engines:
+            runs = [r for r in by_engine[engine] if "error" not in r]
+            row = {"shape": name, "type": qtype, "engine": engine, "file_bytes": size, "runs": by_engine[engine],
+                   "errors": [r["error"] for r in by_engine[engine] if "error" in r]}
+            for key in ("load_s", "prefill_tok_s", "decode_tok_s", "peak_rss_bytes"):
+                row[key] = stats([r[key] for r in runs if r.get(key) is not None])
+            peak = row["peak_rss_bytes"]["median"]
+            row["peak_rss_over_file"] = peak / size if peak else None
+            rows.append(row)
+        ours = next(r for r in rows[-len(engines):] if r["engine"] == "fastdecode")
+        peer = next((r for r in rows[-len(engines):] if r["engine"] == "llama.cpp"), None)
+        if peer and ours["decode_tok_s"]["median"] and peer["decode_tok_s"]["median"]:
+            ours["decode_vs_llama_cpp"] = ours["decode_tok_s"]["median"] / peer["decode_tok_s"]["median"]
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    gb = lambda s: {k: (v / 1e9 if isinstance(v, (int, float)) else v) for k, v in s.items()}  # noqa: E731
+    table = [[r["shape"], r["type"], f"{r['file_bytes'] / 1e9:.2f}", r["engine"], fmt_range(r["load_s"]),
+              fmt_range(gb(r["peak_rss_bytes"]), ".2f"), fmt(r["peak_rss_over_file"], ".2f"),
+              fmt_range(r["prefill_tok_s"]), fmt_range(r["decode_tok_s"], ".2f"),
+              fmt(r.get("decode_vs_llama_cpp"), ".2f")] for r in rows]
+    return markdown_table(["shape", "type", "file GB", "engine", "load s", "peak RSS GB", "RSS / file",
+                           "prefill tok/s", "decode tok/s", "decode vs llama.cpp"], table)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="qwen2.5-coder-1.5b,llama-3.1-8b", help=f"of {', '.join(SHAPES)}")
+    p.add_argument("--types", default="Q4_0,Q8_0", help=f"of {', '.join(BLOCKS)}")
+    p.add_argument("--runs", type=int, default=3, help="rounds; within each, every engine runs every file once")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded per run")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-seq-len", type=int, default=512, help="KV cache length of both engines")
+    p.add_argument("--peers", default="llama.cpp", help="'' for fastdecode alone")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--child", nargs=2, metavar=("ENGINE", "PATH"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(*args.child, args.prompt_tokens, args.tokens, args.threads, args.max_seq_len)))
+        return
+    engines = ["fastdecode"] + [e for e in args.peers.split(",") if e == "llama.cpp" and llama_cpp_installed()]
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    configs = [(s, t) for s in args.shapes.split(",") for t in args.types.split(",")]
+    files = {c: shape_file(*c, log) for c in configs}
+    results = {c: {e: [] for e in engines} for c in configs}
+    for i in range(args.runs):
+        for c in configs:
+            for engine in engines:
+                r = measure(engine, files[c], args)
+                log(f"round {i + 1}/{args.runs} {c[0]} {c[1]} {engine}: " + ", ".join(
+                    f"{k} {r[k]:.3g}" for k in ("load_s", "prefill_tok_s", "decode_tok_s") if r.get(k))
+                    + f", peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB" + (f", error {r['error']}" if "error" in r
+                                                                          else ""))
+                results[c][engine].append(r)
+    rows = summarize(results, files, engines)
+    commit = git("rev-parse", "HEAD").decode().strip()
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    table = render(rows)
+    report = {"commit": commit, "dirty": dirty, "command": command_line(), "machine": machine(), "args": {
+        k: str(v) for k, v in vars(args).items() if k != "child"}, "rows": rows}
+    write_json(args.out / "shapes.json", report)
+    (args.out / "shapes.md").write_text(f"# bench/shapes.py at {commit[:10]}{' (dirty)' if dirty else ''}\n\n"
+                                        f"`{command_line()}`\n\n{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

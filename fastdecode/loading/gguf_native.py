@@ -1,0 +1,162 @@
+"""GGUF file -> a model whose matrices keep the file's own formats, built one module at a time: no float copy of the
+model ever exists.
+
+- Q8_0 -> Int8Linear, Q4_0/Q4_1 -> Int4Linear (groups of 32), value for value (block_tensors).
+- Other quantized types (K-quants, Q5_x) and packed modules whose shards differ in type: that module alone is
+  dequantized and requantized to int8 (a second rounding, logged). F32/F16/BF16 matrices, norms and biases are float.
+- The token embedding reads its rows from kept blocks (QuantEmbedding, one module with a tied lm_head), else it is a
+  float table.
+
+The model is built on the meta device and each module made real as its tensors are read; a tensor's pages leave the
+mapping once copied (GGUFFile.release), so memory holds the finished modules plus the one in flight. The LM head and
+the embedding go first: their transient copies are the largest, and little else is resident yet.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections import Counter
+
+import torch
+from gguf import GGMLQuantizationType as QType
+from torch import nn
+
+from fastdecode.errors import ModelFileError
+from fastdecode.loading.gguf_file import GGUFFile
+from fastdecode.loading.gguf_loader import (GLOBAL_NAMES, block_tensors, dequantize_tensor, float_tensor, gguf_config,
+                                            hf_name, permuted_heads)
+from fastdecode.models import model_class
+from fastdecode.models.transformer import PACKED_MODULES
+from fastdecode.quant import build_linear, encode_linear, fits
+from fastdecode.quant.embedding import QuantEmbedding
+
+log = logging.getLogger(__name__)
+
+KEPT = {QType.Q8_0: "int8", QType.Q4_0: "int4", QType.Q4_1: "int4"}  # GGML type -> the scheme that holds it as is
+FLOAT_TYPES = {QType.F32, QType.F16, QType.BF16}
+SHARDS: dict[str, list[str]] = {}  # our packed module -> its Hugging Face shards, in packing order
+for _hf, (_ours, _) in sorted(PACKED_MODULES.items(), key=lambda item: item[1]):
+    SHARDS.setdefault(_ours, []).append(_hf)
+GGUF_NAMES = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
+
+
+def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, backend: str | None = None):
+    """`progress` wraps an iterable (of module names); `backend` forces the quant modules' (tests)."""
+    from fastdecode.loading import skip_init
+
+    f = GGUFFile(path)
+    config = gguf_config(f)
+    with skip_init(dtype), torch.device("meta"):
+        model = model_class(config.family)(config)
+    loader = ModuleLoader(f, config, dtype, backend)
+    names = ["lm_head", "embed_tokens"] + [
+        name for name, m in model.named_modules()
+        if name not in ("lm_head", "embed_tokens") and any(True for _ in m.parameters(recurse=False))]
+    trim = heap_trimmer()
+    for name in progress(names) if progress is not None else names:
+        loader.load(model, name)
+        trim()
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise ModelFileError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    log.info("gguf: kept compressed: %s", dict(loader.kept) or "none")
+    for kind, n in loader.requantized.items():
+        log.warning("gguf: %d matrices of type %s have no kernel that keeps them compressed; requantized to int8",
+                    n, kind)
+    if "rope_freqs.weight" in f.tensors:
+        model.rope_freq_factors = torch.from_numpy(dequantize_tensor(f.tensors["rope_freqs.weight"]).copy())
+    return model.eval()
+
+
+def heap_trimmer():
+    """glibc's malloc_trim, or a no-op elsewhere. glibc keeps freed blocks under its mmap threshold (up to 32 MB) in
+    its heap, between the modules built since: on an 8B file those conversion copies held ~0.5 GB (10% of the
+    model) until the end. Handing them back after each module keeps peak memory at the model plus one module."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    return (lambda: trim(0)) if trim is not None else (lambda: None)
+
+
+class ModuleLoader:
+    def __init__(self, f: GGUFFile, config, dtype: torch.dtype, backend: str | None):
+        self.f, self.config, self.dtype, self.backend = f, config, dtype, backend
+        self.tensors = {hf_name(t.name, config.family): t for t in f.tensors.values()}
+        self.kept, self.requantized = Counter(), Counter()
+        self.exact: set[str] = set()  # modules that hold the file's blocks as they are
+
+    def tensor(self, name: str):
+        if name not in self.tensors:
+            raise ModelFileError(f"{self.f.path}: checkpoint lacks {GGUF_NAMES.get(name, name)}")
+        return self.tensors[name]
+
+    def float_weight(self, name: str) -> torch.Tensor:
+        t = self.tensor(name)
+        w = torch.from_numpy(float_tensor(t, name, self.config))
+        self.f.release(t)
+        return w
+
+    def load(self, model: nn.Module, name: str):
+        module = model.get_submodule(name)
+        if name == "embed_tokens":
+            model.embed_tokens = self.embedding(model)
+        elif type(module) is nn.Linear:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, self.linear(name, module))
+        else:  # norms
+            for key, _ in list(module.named_parameters(recurse=False)):
+                w = self.float_weight(f"{name}.{key}").to(self.dtype)
+                if self.config.family == "gemma3" and key == "weight":
+                    w.add_(1.0)  # the arithmetic of the float path (float_tensor's -1, load_weights' +1)
+                setattr(module, key, nn.Parameter(w, requires_grad=False))
+
+    def linear(self, name: str, module: nn.Linear) -> nn.Module:
+        prefix, _, leaf = name.rpartition(".")
+        if name == "lm_head":
+            sources = ["lm_head" if "lm_head.weight" in self.tensors else "embed_tokens"]
+        else:
+            sources = [f"{prefix}.{shard}" for shard in SHARDS.get(leaf, [leaf])]
+        return self.matrix(name, sources, module)
+
+    def matrix(self, name: str, sources: list[str], module: nn.Module) -> nn.Module:
+        """The (N, K) matrix of `module` (a meta nn.Linear, or nn.Embedding) from its shards' tensors, stacked."""
+        shards = [self.tensor(f"{s}.weight") for s in sources]
+        N, K = module.weight.shape
+        if any(len(t.shape) != 2 or t.shape[1] != K for t in shards) or sum(t.shape[0] for t in shards) != N:
+            raise ModelFileError(f"{self.f.path}: {name}: checkpoint shapes {[t.shape for t in shards]} do not make "
+                                 f"the model's {N} x {K}")
+        bias = getattr(module, "bias", None)
+        bias = None if bias is None else torch.cat([self.float_weight(f"{s}.bias") for s in sources])
+        kinds = {t.type for t in shards}
+        kind = kinds.pop() if len(kinds) == 1 else None
+        scheme = KEPT.get(kind)
+        if scheme and fits(scheme, N, K, 32):
+            parts = [block_tensors(t, permuted_heads(f"{s}.weight", self.config)) for s, t in zip(sources, shards)]
+            for t in shards:
+                self.f.release(t)
+            blocks = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
+            self.kept[kind.name] += 1
+            self.exact.add(name)
+            return build_linear(blocks, scheme, bias, K, 32, self.backend)
+        w = torch.cat([self.float_weight(f"{s}.weight") for s in sources]).to(self.dtype)
+        if kind in FLOAT_TYPES:  # float stays float, as in the float model
+            module.weight = nn.Parameter(w, requires_grad=False)
+            module.bias = None if bias is None else nn.Parameter(bias.to(self.dtype), requires_grad=False)
+            return module
+        self.requantized["/".join(sorted({t.type.name for t in shards}))] += 1
+        return build_linear(encode_linear(w, "int8", backend=self.backend), "int8", bias, K, backend=self.backend)
+
+    def embedding(self, model: nn.Module) -> nn.Module:
+        """Rows from the tied lm_head's blocks, or from the file's own embedding blocks, where those are kept as they
+        are; else a float table (one parameter with a tied float lm_head, as load_weights ties them)."""
+        tied = self.config.tie_word_embeddings
+        if tied and isinstance(model.lm_head, nn.Linear):
+            model.embed_tokens.weight = model.lm_head.weight
+            return model.embed_tokens
+        table = model.lm_head if tied and "lm_head" in self.exact else None
+        t = self.tensor("embed_tokens.weight")
+        if not tied and t.type in KEPT and fits(KEPT[t.type], *t.shape, 32):
+            table = self.matrix("embed_tokens", ["embed_tokens"], model.embed_tokens)
+        if table is not None and table.backend in table.row_backends:
+            return QuantEmbedding(table, self.dtype)
+        model.embed_tokens.weight = nn.Parameter(self.float_weight("embed_tokens.weight").to(self.dtype),
+                                                 requires_grad=False)
+        return model.embed_tokens
