@@ -96,7 +96,11 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
 
     async def answer(request: Request, job: EngineRequest, fmt, stream: bool):
         try:
-            run = scheduler.submit(lambda: llm.stream(job.prompt_ids, job.params, job.logits_processor),
+            # Drafters remember earlier requests only within a tenant: the holders of the API key, or with no key
+            # configured nobody (each request its own), so no user's text shapes another user's drafts.
+            tenant = "api-key" if config.api_key else None
+            run = scheduler.submit(lambda: llm.stream(job.prompt_ids, job.params, job.logits_processor,
+                                                      tenant=tenant),
                                    config.request_timeout_s)
         except QueueFull as e:
             raise ApiError(429, f"The server is busy: {scheduler.waiting} requests are waiting for the engine. "

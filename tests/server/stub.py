@@ -28,7 +28,7 @@ class MidStreamFailureLLM(UnreachableLLM):
     """Generates one token of a token-id prompt, then fails as a bug or a lost tensor-parallel rank would."""
     tokenizer = None
 
-    def stream(self, prompt_ids, params, logits_processor=None):
+    def stream(self, prompt_ids, params, logits_processor=None, **kw):
         yield StreamChunk("hi", [1])
         raise RuntimeError(f"cannot read {SECRET}")
 

@@ -106,3 +106,26 @@ def test_text_index_matches_and_drafts_as_a_trie_over_the_same_text(seed):
             a = grow_tree(node, m, budget, max_depth, 0.01, "suffix")
             b = grow_tree(occ, m, budget, max_depth, 0.01, "suffix")
             assert (b.tokens, b.parents, b.scores) == (a.tokens, a.parents, a.scores)
+
+
+def test_drafters_remember_earlier_requests_only_within_their_tenant():
+    from types import SimpleNamespace
+
+    from fastdecode.speculative.batch import BatchSpeculator
+    from fastdecode.speculative.policy import CostModel
+
+    spec = BatchSpeculator.build("suffix", CostModel([1, 64], [1.0, 1.0]))
+    secret = [7, 8, 9, 1, 2, 3, 4, 5, 6]
+
+    def request(tenant, tokens):
+        seq = SimpleNamespace(tenant=tenant, prompt_ids=tokens, params=None, tokens=list(tokens))
+        spec.start(seq)
+        return seq
+
+    spec.finish(request("alice", secret))
+    for tenant, remembers in (("alice", True), ("bob", False), (None, False)):
+        drafter = request(tenant, [7, 8, 9]).speculation.drafters[0]
+        draft = drafter.propose([7, 8, 9], budget=4)
+        assert (draft is not None and draft.tokens[:3] == [1, 2, 3]) == remembers, tenant
+    spec.finish(request(None, secret))  # a request without a tenant leaves nothing behind
+    assert request(None, [7, 8, 9]).speculation.drafters[0].propose([7, 8, 9], budget=4) is None
