@@ -75,12 +75,7 @@ class BatchSpeculator:
         stats.steps += 1
         if draft is None or verdict is None:
             return
-        stats.verify_s += step_s
-        stats.verify_steps += 1
-        stats.drafted += len(draft)
-        stats.accepted += len(verdict.path)
-        stats.bonus += verdict.bonus
-        stats.recovered += not verdict.bonus
+        stats.add_verify(len(draft), verdict, step_s)
         self.policy.learn(draft, verdict.path)
 
     def finish(self, seq):

@@ -32,6 +32,15 @@ class SpeculationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0  # time in forward passes that carried a draft
 
+    def add_verify(self, drafted: int, verdict, seconds: float):
+        """Books one verify step of `drafted` nodes and its Verdict."""
+        self.verify_s += seconds
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += len(verdict.path)
+        self.bonus += verdict.bonus
+        self.recovered += not verdict.bonus
+
     def as_dict(self) -> dict:
         return {**asdict(self), "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accepted_length": self.accepted / self.verify_steps if self.verify_steps else 0.0,
@@ -229,12 +238,7 @@ class Speculator:
         self.keep_path(pos, verdict.path)
         seconds = time.perf_counter() - t0
         self.policy.cost.observe(len(tokens), seconds)
-        stats.verify_s += seconds
-        stats.verify_steps += 1
-        stats.drafted += len(draft)
-        stats.accepted += len(verdict.path)
-        stats.bonus += verdict.bonus
-        stats.recovered += not verdict.bonus
+        stats.add_verify(len(draft), verdict, seconds)
         self.policy.learn(draft, verdict.path)
         if draft.drafter in self.gates:
             self.gates[draft.drafter].record(len(verdict.tokens), seconds + self.model_draft_s)
