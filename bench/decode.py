@@ -2,6 +2,7 @@
 
     python bench/decode.py            # 3 timed runs of 256 tokens, 2 threads; writes bench/results/decode.{json,md}
     python bench/decode.py --quick    # smoke run: 1 run of 32 tokens; writes bench/results/decode-quick.{json,md}
+    python bench/decode.py --baseline HEAD~1 --peers ''   # this tree against the previous commit, interleaved
 
 Every engine gets the same token ids: a ~600-token code-editing request through the model's chat template. One
 generation gives prefill tok/s (the prompt) and output tok/s (decode only: the first token belongs to TTFT). Each
@@ -12,6 +13,7 @@ on a shared machine falls on all of them alike. Missing engines are skipped with
 from __future__ import annotations
 
 import argparse
+import inspect
 import multiprocessing as mp
 import os
 import sys
@@ -19,7 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
-from common import command_line, fmt, fmt_range, machine, markdown_table, stats, write_json
+from common import (command_line, fmt, fmt_range, machine, markdown_table, package_at, short_sha, stats,
+                    write_json)
 
 CODE = '''\
 import json
@@ -95,15 +98,15 @@ PROMPT = ("Here is a Python module for a shopping cart.\n\n```python\n" + CODE +
           "`subtotal` ignores the quantity of each item and `most_expensive` returns the cheapest items. Fix both "
           "bugs, add type hints to every function, and return the corrected module in one code block.")
 MODEL = "smollm2-135m"
-FORMATS = ("fp32", "bf16", "int8", "int4")
+FORMATS = ("gguf", "fp32", "bf16", "int8", "int4")
 PEERS = ("transformers", "llama.cpp")
 REFERENCE = ("transformers", "fp32")  # greedy tokens every row is checked against
 
 
 # ---- engines: each is built in its own worker process and times one greedy generation per run() ----------------
 class Fastdecode:
-    SETTINGS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": ("float32", "int8"),
-                "int4": ("float32", "int4")}
+    SETTINGS = {"gguf": ("float32", "gguf"), "fp32": ("float32", "none"), "bf16": ("bfloat16", "none"),
+                "int8": ("float32", "int8"), "int4": ("float32", "int4")}  # gguf: the file's own formats (default)
 
     def __init__(self, fmt, model, threads, max_seq_len):
         from fastdecode import LLM, SamplingParams
@@ -112,11 +115,14 @@ class Fastdecode:
         if quant != "none":
             import fastdecode.quant  # noqa: F401  (written alongside; its absence is a skip, not a crash)
         self.params = SamplingParams
-        self.llm = LLM(model, dtype=dtype, quant=quant, group_size=32, threads=threads, max_seq_len=max_seq_len)
+        # Every run prefills the whole prompt: a prefix-cache hit on the repeated prompt would time nothing.
+        no_cache = {"prefix_cache": False} if "prefix_cache" in inspect.signature(LLM).parameters else {}
+        self.llm = LLM(model, dtype=dtype, quant=quant, group_size=32, threads=threads, max_seq_len=max_seq_len,
+                       **no_cache)
         self.weight_bytes = self.llm.weight_bytes_per_token()
         self.kv_bytes_per_position = self.llm.kv_bytes_per_token(1)
         # Which code decodes: the C++ whole-model step where the format allows it, else PyTorch's forward.
-        self.decode_path = self.llm.decode_path
+        self.decode_path = getattr(self.llm, "decode_path", None)  # (older revisions, timed with --baseline, lack it)
 
     def run(self, prompt_ids, tokens):
         c = self.llm.generate(prompt_ids, self.params(max_tokens=tokens, temperature=0.0, ignore_eos=True))
@@ -233,10 +239,13 @@ def timed(tokens, prompt_tokens, start, times):
 ENGINES = {"fastdecode": Fastdecode, "transformers": Transformers, "llama.cpp": LlamaCpp}
 
 
-def worker(conn, engine, fmt, model, threads, max_seq_len):
-    """Builds one engine, reports what it reads per token, then serves run requests until sent None."""
+def worker(conn, engine, fmt, model, threads, max_seq_len, source=None):
+    """Builds one engine, reports what it reads per token, then serves run requests until sent None. `source`: a
+    source tree whose fastdecode package to import instead of this one (a baseline revision)."""
     try:
-        e = ENGINES[engine](fmt, model, threads, max_seq_len)
+        if source is not None:
+            sys.path.insert(0, source)
+        e = ENGINES[engine.split("@")[0]](fmt, model, threads, max_seq_len)
     except ImportError as err:
         conn.send({"skipped": f"not installed ({err})"})
         return
@@ -356,6 +365,8 @@ def main(argv=None):
     p.add_argument("--peers", default=",".join(PEERS), help="peer engines, or '' for none")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 run of 32 tokens, written as decode-quick.*")
+    p.add_argument("--baseline", metavar="REV", help="also time fastdecode as of this git revision (e.g. HEAD~1) in "
+                                                      "every format, interleaved with this tree's runs")
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.tokens = 1, 32
@@ -367,6 +378,11 @@ def main(argv=None):
     if [e for e in peers if e not in PEERS]:
         p.error(f"unknown peer(s) in {peers}; known: {PEERS}")
     specs = [("fastdecode", f) for f in formats]
+    sources = {}
+    if args.baseline:
+        name = f"fastdecode@{short_sha(args.baseline)}"
+        specs += [(name, f) for f in formats]
+        sources = {spec: str(package_at(args.baseline)) for spec in specs if spec[0] == name}
     specs += [("transformers", f) for f in ("fp32", "bf16") if "transformers" in peers]
     specs += [("llama.cpp", "gguf")] if "llama.cpp" in peers else []
 
@@ -389,7 +405,8 @@ def main(argv=None):
         for spec in specs:
             progress.update(loading, description=f"loading {spec[0]} {spec[1]}")
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker, args=(child, *spec, args.model, args.threads, max_seq_len), daemon=True)
+            proc = ctx.Process(target=worker, args=(child, *spec, args.model, args.threads, max_seq_len,
+                                                    sources.get(spec)), daemon=True)
             proc.start()
             msg = receive(parent, proc)
             if msg.get("ready"):
@@ -493,18 +510,23 @@ def summarize(args, host, rows, sizes, probes, ids, same_ids, decode) -> dict:
     llama = next((r for r in timed if r["engine"] == "llama.cpp"), None)
     hf = max((r for r in timed if r["engine"] == "transformers"), key=lambda r: r["decode_tok_s"]["median"],
              default=None)
-    peers = [r for r in timed if r["engine"] != "fastdecode"]
+    peers = [r for r in timed if not r["engine"].startswith("fastdecode")]
+    base = {r["format"]: r for r in timed if r["engine"].startswith("fastdecode@")}
     best_prefill = max((r["prefill_tok_s"]["median"] for r in peers), default=None)
     for r in timed:
         d = r["decode_tok_s"]["median"]
         r["vs_llama_cpp"] = d / llama["decode_tok_s"]["median"] if llama else None
         r["vs_transformers"] = d / hf["decode_tok_s"]["median"] if hf else None
         r["prefill_vs_best_peer"] = r["prefill_tok_s"]["median"] / best_prefill if best_prefill else None
+        if r["engine"] == "fastdecode" and r["format"] in base:
+            b = base[r["format"]]
+            r["vs_baseline"] = {"baseline": b["engine"], "decode": d / b["decode_tok_s"]["median"],
+                                "prefill": r["prefill_tok_s"]["median"] / b["prefill_tok_s"]["median"]}
     return {"model": args.model, "threads": args.threads, "tokens": args.tokens, "runs": args.runs,
             "bandwidth_gb_s": max((p["dram_gb_s"] for p in probes if "dram_gb_s" in p), default=None),
             "bandwidth": {"source": probes[0]["source"], "before": probes[0], "after": probes[1],
                           "note": "each row's roofline uses the bandwidth read at its own bytes per token"},
-            "machine": host, "command": command_line(),
+            "machine": host, "command": command_line(), "commit": short_sha("HEAD"),
             "prompt": {"tokens": len(ids), "mean_decode_context": len(ids) + args.tokens / 2,
                        "transformers_tokenizer_agrees": same_ids, "text": PROMPT},
             "vs_transformers_is": f"transformers {hf['format']}" if hf else None, "rows": out}
@@ -550,6 +572,8 @@ def render(report: dict, console, Table) -> str:
         f"with transformers float32 on the same GGUF. fastdecode's decode path is in brackets: native (the C++ "
         f"whole-model step) or pytorch.",
     ]
+    notes += [f"{r['format']}: {r['vs_baseline']['decode']:.2f}x the decode and {r['vs_baseline']['prefill']:.2f}x the "
+              f"prefill speed of {r['vs_baseline']['baseline']}" for r in report["rows"] if "vs_baseline" in r]
     notes += [f"{r['engine']} {r['format']} skipped: {r['skipped'].splitlines()[0]}" for r in report["rows"]
               if "skipped" in r]
     console.print("\n".join(notes))

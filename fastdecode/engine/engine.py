@@ -23,6 +23,7 @@ from fastdecode.engine.sampling import Sampler, SamplingParams
 from fastdecode.engine.scheduler import Scheduler, SchedulerConfig, Work
 from fastdecode.engine.sequence import Sequence
 from fastdecode.errors import InvalidRequestError
+from fastdecode.kernels.openmp import release_openmp_workers
 from fastdecode.runners import Batch
 from fastdecode.speculative.policy import CostModel
 from fastdecode.speculative.verify import verify
@@ -59,6 +60,8 @@ class Engine:
                                       f"needs more than the KV cache's {self.kv.capacity} token slots")
         sampler = Sampler(params, self.model.config.vocab_size, prompt_ids, logits_processor)
         seq = Sequence(list(prompt_ids), params, sampler, set(stop_ids), salt, tenant)
+        if self.background:  # the engine's thread must be the only one with OpenMP workers (kernels/openmp.py)
+            release_openmp_workers()
         with self.cv:
             self.incoming.append(seq)
             self.cv.notify()

@@ -16,6 +16,7 @@ from fastdecode.engine.sampling import Sampler, SamplingParams
 from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.errors import InvalidRequestError
 from fastdecode.kernels.decoder import native_decoder
+from fastdecode.kernels.openmp import release_openmp_workers
 from fastdecode.loading import load_model, load_tokenizer, resolve_quant
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
 from fastdecode.runners import build_runner
@@ -120,6 +121,7 @@ class LLM:
         if self.speculate not in (None, "", "none"):
             self.engine.speculator = self.engine.scheduler.speculator = BatchSpeculator.build(
                 self.speculate, self.engine.measure_cost(COST_SIZES))
+        release_openmp_workers()  # loading ran here; from now on the engine's thread computes (kernels/openmp.py)
 
     @property
     def decode_path(self) -> str:
