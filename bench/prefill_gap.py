@@ -35,9 +35,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--paste-tokens", type=int, default=4000)
-    p.add_argument("--stream-tokens", type=int, default=400)
+    p.add_argument("--stream-tokens", type=int, default=2000, help="enough to outlast the paste's prefill")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--serve-args", default="--quant int4 --speculate none")
+    p.add_argument("--serve-args", default="--speculate none")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "prefill_gap"))
     a = p.parse_args()
 
@@ -55,9 +55,7 @@ def main():
 
         thread = threading.Thread(target=streamer)
         thread.start()
-        while not result.get("stream") and time.perf_counter() - t0 < 5:  # let it stream a while first
-            time.sleep(0.01)
-        time.sleep(1.0)
+        time.sleep(3.0)  # let it stream a while first
         sent = time.perf_counter() - t0
         pasted = server.stream(paste, 8)
         paste_done = sent + pasted["times"][0]
@@ -65,6 +63,8 @@ def main():
     finally:
         server.close()
     times = result["stream"]["times"]
+    if times[-1] < paste_done:
+        sys.exit("error: the stream ended before the paste's first token; raise --stream-tokens")
     gaps = [(b, b - a) for a, b in zip(times, times[1:])]
     before = [g for t, g in gaps if t < sent]
     during = [g for t, g in gaps if sent <= t <= paste_done + 0.5]

@@ -16,7 +16,8 @@ with its penalty window set to the whole context): a 135M model decoding greedil
 flatter every drafter. The `repeat share` column checks it: the share of output 4-grams already seen in the prompt
 or earlier output. Each engine runs in its own worker process; the prompts run round-robin across engines (A B C A
 B C) so drift on a shared machine falls on all of them. Per category: mean output tok/s (first token excluded),
-floor (5th percentile of tok/s over sliding 32-token windows), mean accepted draft tokens per verify step, speedup
+floor (the speed lab's window floor, lab/metrics.py: each generation's slowest 32-token stretch, then the 5th
+percentile of those), mean accepted draft tokens per verify step, speedup
 over our plain decode; per engine, whether its greedy tokens equal its own plain decode.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ OURS = ["none", "ngram", "suffix", "layerskip", "auto"]
 HEADS = ["eagle", "auto+eagle"]
 PEERS = ["llama.cpp", "llama.cpp+lookup", "transformers", "transformers+lookup"]
 LOW_OVERLAP_PENALTY = 1.15
-WINDOW = 32
+WINDOW = 32  # tokens in the floor's window, as the speed lab's default (lab/metrics.py WINDOW_TOKENS)
 LOOKUP_TOKENS = 10  # draft length for the peers' prompt lookup (their usual setting)
 
 
@@ -176,28 +177,14 @@ def receive(conn, proc) -> dict:
 
 
 # ---- metrics -------------------------------------------------------------------------------------------------------
-def output_tok_s(times: list[float]) -> float | None:
-    """Tokens after the first over the time after the first (TTFT excluded)."""
-    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else None
+def speed(times: list[float]) -> tuple[float | None, float | None]:
+    """(output tok/s, window floor) of one generation from its tokens' arrival times, as the speed lab defines them
+    (fastdecode/lab/metrics.py), so a floor here means what it means in `fastdecode bench`."""
+    from fastdecode.lab.metrics import request_metrics
+    from fastdecode.lab.records import Chunk, RequestRecord
 
-
-def window_speeds(times: list[float], window: int = WINDOW, stride: int = 8) -> list[float]:
-    """tok/s over each run of `window` tokens (sliding by `stride`), TTFT excluded."""
-    out = []
-    for i in range(1, len(times) - window + 1, stride):
-        dt = times[i + window - 1] - times[i - 1]
-        if dt > 0:
-            out.append(window / dt)
-    return out
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+    m = request_metrics(RequestRecord("", "", chunks=[Chunk(t, tokens=1) for t in times]), WINDOW)
+    return (m.output_tok_s, m.window_floor_tok_s) if m else (None, None)
 
 
 def repeat_share(prompt: list[int], output: list[int], n: int = 4) -> float:
@@ -316,6 +303,7 @@ def main(argv=None):
 def summarize(args, host, engines, items, results, skipped) -> dict:
     """Per engine and category. Speeds and their ratios to plain are taken per repeat (each against the plain decode
     of the same repeat) and shown as min/median/max over repeats; draft statistics are pooled over all of them."""
+    from fastdecode.lab.metrics import stats as metric_stats
     from fastdecode.workloads import CATEGORIES
 
     plain_of = {"fastdecode": ("fastdecode", "none"), "llama.cpp": ("llama.cpp", "llama.cpp"),
@@ -329,9 +317,10 @@ def summarize(args, host, engines, items, results, skipped) -> dict:
             by_repeat.setdefault(r["repeat"], []).append(r)
         out = {}
         for repeat, group in by_repeat.items():
-            tok_s = [s for r in group if (s := output_tok_s(r["times"])) is not None]
-            out[repeat] = (statistics.mean(tok_s) if tok_s else None,
-                           percentile([w for r in group for w in window_speeds(r["times"])], 0.05))
+            measured = [speed(r["times"]) for r in group]
+            tok_s = [s for s, _ in measured if s is not None]
+            floor = metric_stats(f for _, f in measured)  # the lab's floor: P5 of the window floors
+            out[repeat] = (statistics.mean(tok_s) if tok_s else None, floor.p5 if floor else None)
         return out
 
     def ratios(values: dict, bases: dict, i: int) -> dict:
@@ -400,7 +389,8 @@ def render(report: dict) -> str:
              f"{report['per_category']} prompts per category, up to {report['max_tokens']} tokens each, greedy; "
              f"{runs}"
              f"low_overlap with repetition penalty {report['low_overlap_repetition_penalty']} in every engine. "
-             f"Floor: 5th percentile of tok/s over sliding {report['floor_window_tokens']}-token windows. "
+             f"Floor: as the speed lab's (lab/metrics.py): each generation's slowest "
+             f"{report['floor_window_tokens']}-token stretch, then the 5th percentile over generations. "
              "`x plain`: against fastdecode's plain decode (`none`) in the same run. Peers' prompt lookup drafts "
              f"{report['peer_lookup_tokens']} tokens.", ""]
     return "\n".join(notes) + markdown_table(headers, cells)

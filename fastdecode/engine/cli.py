@@ -48,6 +48,8 @@ def model_options(f):
                           "the free memory and 8 GiB)."),
         click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
                      help="Reuse the keys and values of a prompt's longest cached prefix (automatic prefix caching)."),
+        click.option("--kv-dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True,
+                     help="KV-cache element type (float32: twice the memory; the reference)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -73,14 +75,14 @@ def sampling_options(f):
 
 
 MODEL_KEYS = ("model", "dtype", "quant", "group_size", "threads", "max_seq_len", "speculate", "tp", "max_batch",
-              "kv_cache_gb", "prefix_cache")  # model_options' parameters
+              "kv_cache_gb", "prefix_cache", "kv_dtype")  # model_options' parameters
 
 
 def build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate="none", tp=1, max_batch=8,
-              kv_cache_gb=None, prefix_cache=True):
+              kv_cache_gb=None, prefix_cache=True, kv_dtype="float16"):
     from fastdecode.engine.llm import LLM
 
-    make, engine = LLM, dict(max_batch=max_batch, kv_cache_gb=kv_cache_gb, prefix_cache=prefix_cache)
+    make, engine = LLM, dict(max_batch=max_batch, kv_cache_gb=kv_cache_gb, prefix_cache=prefix_cache, kv_dtype=kv_dtype)
     if dtype is not None and quant is None:  # a float precision asked for: float weights
         quant = "none"
     if tp > 1:

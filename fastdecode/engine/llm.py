@@ -24,6 +24,7 @@ from fastdecode.speculative import build_speculator
 from fastdecode.speculative.batch import COST_SIZES, MODEL_FREE, BatchSpeculator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}  # what the native attention reads
 
 
 @dataclass
@@ -74,13 +75,17 @@ class LLM:
                  group_size: int = 32, threads: int | None = None, max_seq_len: int = 4096, native: bool = True,
                  speculate: str = "none", progress=None, log=lambda *a: None, load=load_model,
                  max_batch: int = 8, kv_cache_gb: float | None = None, prefix_cache: bool = True,
-                 engine: bool = True, scheduler: SchedulerConfig | None = None):
+                 kv_dtype: str = "float16", engine: bool = True, scheduler: SchedulerConfig | None = None):
         """quant None runs a GGUF file in its own formats and a directory in float; "none" asks for float weights.
         `load(path, dtype, progress, quant) -> model` builds the model (tensor parallelism passes its shard loader
         and engine=False: its ranks run the single-request loop over the model's static cache, as do the drafters
-        that run a model, `--speculate layerskip|draft:MODEL|eagle`). Everything else runs on the serving engine."""
+        that run a model, `--speculate layerskip|draft:MODEL|eagle`). Everything else runs on the serving engine.
+        kv_dtype: the engine's KV cache, float16 (half the memory and the attention reads of float32; keys and values
+        are rounded to it once, when written) or float32 (the reference)."""
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        if kv_dtype not in KV_DTYPES:
+            raise InvalidRequestError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
         if threads:
             torch.set_num_threads(threads)
         self.path = resolve(model, log=log)
@@ -97,7 +102,8 @@ class LLM:
         self.speculate = speculate
         self.engine = self.decoder = self.speculator = None
         if engine and speculate in (None, "", "none", *MODEL_FREE):
-            self._build_engine(native, max_batch, kv_cache_gb, prefix_cache, scheduler or SchedulerConfig())
+            self._build_engine(native, max_batch, kv_cache_gb, prefix_cache, KV_DTYPES[kv_dtype],
+                               scheduler or SchedulerConfig())
         else:
             self.model.setup_cache(self.max_seq_len)
             self.decoder = native_decoder(self.model) if native else None  # None: PyTorch's forward decodes
@@ -105,8 +111,7 @@ class LLM:
             self.speculator = build_speculator(speculate, self, log=log)  # None: plain decode
 
     def _build_engine(self, native: bool, max_batch: int, kv_cache_gb: float | None, prefix_cache: bool,
-                      scheduler: SchedulerConfig):
-        kv_dtype = self.model.embed_tokens.weight.dtype
+                      kv_dtype: torch.dtype, scheduler: SchedulerConfig):
         per_token = KVCache.bytes_per_token(self.config, kv_dtype)
         tokens = (int(kv_cache_gb * 1e9) // per_token if kv_cache_gb
                   else default_kv_tokens(self.config, self.max_seq_len, max_batch, kv_dtype))
@@ -261,4 +266,5 @@ class LLM:
 
     def kv_bytes_per_token(self, context: int) -> int:
         """KV-cache bytes one decode step reads at a given context length."""
-        return KVCache.bytes_per_token(self.config, self.model.embed_tokens.weight.dtype) * context
+        dtype = self.kv.k[0].dtype if self.kv is not None else self.model.embed_tokens.weight.dtype  # static cache
+        return KVCache.bytes_per_token(self.config, dtype) * context

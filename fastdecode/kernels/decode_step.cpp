@@ -85,6 +85,21 @@ inline __m256 exp_any(__m256 x) {
   return exp_in_range(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f)));
 }
 
+// The KV cache holds float32 or float16 (its bits as uint16_t, converted with F16C): one attention kernel reads either.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float load1(float x) { return x; }
+inline float load1(uint16_t x) { return _cvtsh_ss(x); }
+
+// n floats -> the cache's type (float16: rounded to nearest even).
+inline void store_kv(const float* x, int64_t n, float* out) { std::copy(x, x + n, out); }
+inline void store_kv(const float* x, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 // Attention in tiles of keys: a work item is a few queries of one KV group (the heads of a group and the tokens of a
 // verify step read the same keys), and each tile of KEY_TILE keys and values is read by all of them while it sits in
 // L1, instead of once per query from L2. Every key's score is one FMA chain over hd and the same horizontal sum, and
@@ -95,12 +110,12 @@ constexpr int64_t KEY_TILE = 32;  // 32 keys of 64 floats: 8 KB of keys and 8 KB
 // p[r][i] = (q[r] . key i) * scale for NQ queries and n keys, key i at k + slot(i) * hd (hd % 8 == 0). Two queries
 // over four keys are eight independent FMA chains, enough to keep both FMA units busy through their latency; one
 // query takes four keys at a time (eight streams of keys were slower where the keys come from memory).
-template <int NQ, typename Slot>
-void scores(const float* const* q, const float* k, Slot slot, int64_t n, int64_t hd, float scale, float* const* p) {
+template <int NQ, typename KV, typename Slot>
+void scores(const float* const* q, const KV* k, Slot slot, int64_t n, int64_t hd, float scale, float* const* p) {
   constexpr int NK = 4;
   int64_t i = 0;
   for (; i + NK <= n; i += NK) {
-    const float* key[NK];
+    const KV* key[NK];
     for (int b = 0; b < NK; ++b) key[b] = k + slot(i + b) * hd;
     __m256 a[NQ][NK];
     for (int r = 0; r < NQ; ++r)
@@ -109,7 +124,7 @@ void scores(const float* const* q, const float* k, Slot slot, int64_t n, int64_t
       __m256 qd[NQ];
       for (int r = 0; r < NQ; ++r) qd[r] = _mm256_loadu_ps(q[r] + d);
       for (int b = 0; b < NK; ++b) {
-        const __m256 kd = _mm256_loadu_ps(key[b] + d);
+        const __m256 kd = load8(key[b] + d);
         for (int r = 0; r < NQ; ++r) a[r][b] = _mm256_fmadd_ps(qd[r], kd, a[r][b]);
       }
     }
@@ -117,10 +132,10 @@ void scores(const float* const* q, const float* k, Slot slot, int64_t n, int64_t
       for (int b = 0; b < NK; ++b) p[r][i + b] = hsum(a[r][b]) * scale;
   }
   for (; i < n; ++i) {
-    const float* ki = k + slot(i) * hd;
+    const KV* ki = k + slot(i) * hd;
     for (int r = 0; r < NQ; ++r) {
       __m256 a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), _mm256_loadu_ps(ki + d), a);
+      for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), load8(ki + d), a);
       p[r][i] = hsum(a) * scale;
     }
   }
@@ -143,15 +158,15 @@ float softmax_weights(float* p, int64_t n) {
 }
 
 // out (hd) += sum over i of p[i] * value i (at v + slot(i) * hd), each element's chain continuing in i order.
-template <int NV, typename Slot>  // NV 8-float vectors of out in registers at a time (hd % (8 NV) == 0)
-void accumulate(const float* p, const float* v, Slot slot, int64_t n, int64_t hd, float* out) {
+template <int NV, typename KV, typename Slot>  // NV 8-float vectors of out in registers at a time (hd % (8 NV) == 0)
+void accumulate(const float* p, const KV* v, Slot slot, int64_t n, int64_t hd, float* out) {
   for (int64_t d0 = 0; d0 < hd; d0 += 8 * NV) {
     __m256 acc[NV];
     for (int c = 0; c < NV; ++c) acc[c] = _mm256_loadu_ps(out + d0 + 8 * c);
     for (int64_t i = 0; i < n; ++i) {
       const __m256 pi = _mm256_set1_ps(p[i]);
-      const float* vi = v + slot(i) * hd + d0;
-      for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vi + 8 * c), acc[c]);
+      const KV* vi = v + slot(i) * hd + d0;
+      for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pi, load8(vi + 8 * c), acc[c]);
     }
     for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);
   }
@@ -194,9 +209,9 @@ inline int64_t physical(const SeqRows& s, int64_t block_size, int64_t a) {
 
 // Queries q[i] (hd) of one sequence that share one KV group's cache k, v (slots, hd) -> out[i] (hd). Keys are walked
 // in tiles that never cross a block, so each tile is contiguous in memory.
-template <int NV>
+template <int NV, typename KV>
 void attend_tiled(const std::vector<const float*>& q, const std::vector<float*>& out, const std::vector<Visible>& seen,
-                  const float* k, const float* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale) {
+                  const KV* k, const KV* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale) {
   const int64_t n = q.size(), tile = std::min(KEY_TILE, block_size);
   std::vector<int64_t> offset(n + 1, 0);  // query i's weights p[offset[i]..]: its cache keys, then its tail
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
@@ -259,8 +274,9 @@ void attend_tiled(const std::vector<const float*>& q, const std::vector<float*>&
 }
 
 // The same for any hd, in plain loops, one query at a time.
+template <typename KV>
 void attend_plain(const std::vector<const float*>& q, const std::vector<float*>& out, const std::vector<Visible>& seen,
-                  const float* k, const float* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale) {
+                  const KV* k, const KV* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale) {
   std::vector<int64_t> slots;
   std::vector<float> p;
   for (size_t i = 0; i < q.size(); ++i) {
@@ -271,9 +287,9 @@ void attend_plain(const std::vector<const float*>& q, const std::vector<float*>&
     p.resize(L);
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < L; ++j) {
-      const float* kj = k + slots[j] * hd;
+      const KV* kj = k + slots[j] * hd;
       float s = 0.f;
-      for (int64_t d = 0; d < hd; ++d) s += q[i][d] * kj[d];
+      for (int64_t d = 0; d < hd; ++d) s += q[i][d] * load1(kj[d]);
       p[j] = s * scale;
       mx = std::max(mx, p[j]);
     }
@@ -282,8 +298,8 @@ void attend_plain(const std::vector<const float*>& q, const std::vector<float*>&
     float* o = out[i];
     for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
     for (int64_t j = 0; j < L; ++j) {
-      const float* vj = v + slots[j] * hd;
-      for (int64_t d = 0; d < hd; ++d) o[d] += p[j] * vj[d];
+      const KV* vj = v + slots[j] * hd;
+      for (int64_t d = 0; d < hd; ++d) o[d] += p[j] * load1(vj[d]);
     }
     for (int64_t d = 0; d < hd; ++d) o[d] /= sum;
   }
@@ -294,7 +310,8 @@ void attend_plain(const std::vector<const float*>& q, const std::vector<float*>&
 // runs, the runs of all groups a multiple of the thread count (at least three per thread), so that the threads get
 // even shares and the queries of a run share the tiles they read. A query's arithmetic does not depend on the items
 // it shares, so a sequence's result is the same alone or in a batch.
-void attention(const float* q, const float* k, const float* v, int64_t H, int64_t K, int64_t S, int64_t hd,
+template <typename KV>
+void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, int64_t S, int64_t hd,
                const std::vector<SeqRows>& seqs, int64_t block_size, const int64_t* positions, const int64_t* slots,
                const bool* mask, int64_t R, int64_t window, float scale, float* out) {
   const int64_t group = H / K, threads = at::get_num_threads();
@@ -311,8 +328,8 @@ void attention(const float* q, const float* k, const float* v, int64_t H, int64_
       for (int64_t run = 0; run < runs; ++run) items.push_back({s, g, per_group * run / runs, per_group * (run + 1) / runs});
     work += (seqs[s].ctx + T) * hd * T * H;
   }
-  const auto kernel = hd % 64 == 0 ? attend_tiled<8> : hd % 32 == 0 ? attend_tiled<4> : hd % 16 == 0 ? attend_tiled<2>
-                      : hd % 8 == 0 ? attend_tiled<1> : attend_plain;
+  const auto kernel = hd % 64 == 0 ? attend_tiled<8, KV> : hd % 32 == 0 ? attend_tiled<4, KV>
+                      : hd % 16 == 0 ? attend_tiled<2, KV> : hd % 8 == 0 ? attend_tiled<1, KV> : attend_plain<KV>;
   const int64_t n_items = items.size();
   at::parallel_for(0, n_items, work >= 16384 ? 1 : std::max<int64_t>(n_items, 1), [&](int64_t i0, int64_t i1) {
     std::vector<const float*> qs;
@@ -363,7 +380,8 @@ void gated_activation(float* g, int64_t I, bool gelu) {
 // positions[r] and its keys and values are written to slot slots[r]. A sequence's rows are one decode step, a chunk
 // of its prompt, or a chain or token tree being verified (tree_mask (R, R) bool: row r sees row j of its own sequence
 // iff j is r or an ancestor; empty: every sequence's rows are a causal chain). rope_* are (2, P, hd) cos/sin tables;
-// windows[l] is layer l's sliding window (0: attends to everything). Caches are (..., K, slots, hd) per layer.
+// windows[l] is layer l's sliding window (0: attends to everything). Caches are (..., K, slots, hd) per layer, all
+// float32 or all float16.
 at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
                          const at::Tensor& slots, const at::Tensor& seq_rows, const at::Tensor& context,
                          const at::Tensor& block_table, int64_t block_size, const at::Tensor& tree_mask,
@@ -394,6 +412,13 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
   const int64_t* P = positions.data_ptr<int64_t>();
   const int64_t* SL = slots.data_ptr<int64_t>();
   const bool* M = tree ? tree_mask.data_ptr<bool>() : nullptr;
+  const at::ScalarType kv_type = weights[K_CACHE].scalar_type();
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kHalf, "the KV cache must be float32 or float16");
+  for (int64_t l = 0; l < L; ++l)
+    for (int c : {K_CACHE, V_CACHE})
+      TORCH_CHECK(weights[l * SLOTS + c].scalar_type() == kv_type && weights[l * SLOTS + c].is_contiguous(),
+                  "every layer's cache must be contiguous and of one type");
+  const bool half = kv_type == at::kHalf;
   at::Tensor h = at::empty({T, D}, x.options()), attn = at::empty({T, qn}, x.options());
   float* Hs = h.data_ptr<float>();
   const float epsf = static_cast<float>(eps), scale = static_cast<float>(attn_scale);
@@ -405,8 +430,12 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
 
     for (int64_t t = 0; t < T; ++t) rms_norm(X + t * D, w[IN_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
     at::Tensor qkv = linear(h, w[QKV_W], w[QKV_B]);  // (T, qn + 2 kn)
-    float* kc = w[K_CACHE].data_ptr<float>();
-    float* vc = w[V_CACHE].data_ptr<float>();
+    void* kc = w[K_CACHE].data_ptr();
+    void* vc = w[V_CACHE].data_ptr();
+    const auto write = [half](const float* x, int64_t n, void* cache, int64_t at) {
+      if (half) store_kv(x, n, static_cast<uint16_t*>(cache) + at);
+      else store_kv(x, n, static_cast<float*>(cache) + at);
+    };
     at::Tensor qs = at::empty({T, qn}, x.options());
     for (int64_t t = 0; t < T; ++t) {
       float* q = qkv.data_ptr<float>() + t * (qn + 2 * kn);
@@ -422,12 +451,16 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
       for (int64_t g = 0; g < K; ++g) {
         if (present(w[K_NORM])) rms_norm(k + g * hd, w[K_NORM].data_ptr<float>(), hd, epsf, k + g * hd);
         rotary(k + g * hd, cos, sin, hd);
-        std::copy(k + g * hd, k + (g + 1) * hd, kc + (g * S + SL[t]) * hd);
-        std::copy(v + g * hd, v + (g + 1) * hd, vc + (g * S + SL[t]) * hd);
+        write(k + g * hd, hd, kc, (g * S + SL[t]) * hd);
+        write(v + g * hd, hd, vc, (g * S + SL[t]) * hd);
       }
     }
-    attention(qs.data_ptr<float>(), kc, vc, H, K, S, hd, seqs, block_size, P, SL, M, T, window, scale,
-              attn.data_ptr<float>());
+    if (half)
+      attention(qs.data_ptr<float>(), static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), H, K, S, hd,
+                seqs, block_size, P, SL, M, T, window, scale, attn.data_ptr<float>());
+    else
+      attention(qs.data_ptr<float>(), static_cast<const float*>(kc), static_cast<const float*>(vc), H, K, S, hd, seqs,
+                block_size, P, SL, M, T, window, scale, attn.data_ptr<float>());
     at::Tensor o = linear(attn, w[O_W], w[O_B]);
     float* O = o.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {

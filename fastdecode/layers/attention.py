@@ -77,7 +77,9 @@ class Attention(nn.Module):
         k = k.view(R, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(0, 1), cos, sin).to(v_cache.dtype)  # (heads, R, head_dim)
+        # The cache may hold a narrower type than the model computes in: keys and values are rounded to it when
+        # written and widened back when read, so attention itself runs in the model's dtype.
+        q = apply_rotary(q.transpose(0, 1), cos, sin)  # (heads, R, head_dim)
         k_cache[:, batch.slots] = apply_rotary(k.transpose(0, 1), cos, sin).to(v_cache.dtype)
         v_cache[:, batch.slots] = v.view(R, self.num_kv_heads, self.head_dim).transpose(0, 1).to(v_cache.dtype)
         out = torch.empty_like(q)
@@ -101,6 +103,7 @@ class Attention(nn.Module):
             if self.window:
                 mask &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.window
             out[:, r0:r1] = F.scaled_dot_product_attention(
-                q[:, r0:r1], k_cache[:, slots], v_cache[:, slots], attn_mask=mask, scale=self.scale,
+                q[:, r0:r1], k_cache[:, slots].to(q.dtype), v_cache[:, slots].to(q.dtype), attn_mask=mask,
+                scale=self.scale,
                 enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(0, 1).reshape(R, -1))

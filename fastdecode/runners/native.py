@@ -21,7 +21,8 @@ class NativeRunner:
 
     @classmethod
     def build(cls, model, kv) -> "NativeRunner | None":
-        if not model_supported(model) or kv.k[0].dtype != torch.float32 or kv.k[0].device.type != "cpu":
+        if (not model_supported(model) or kv.k[0].dtype not in (torch.float32, torch.float16)
+                or kv.k[0].device.type != "cpu"):
             return None
         ops = native_ops()
         return cls(model, ops, kv) if ops is not None else None

@@ -25,8 +25,16 @@ from tests.speculative.helpers import OracleDrafter, flat_cost, tiny_target
 
 PROMPT = prompt_tokens(24)  # longer than every sliding window of the family checkpoints
 ATOL = 1e-4  # ours vs transformers, float32
+KV16_ATOL = 5e-3  # ours with a float16 KV cache vs transformers in float32: keys and values rounded once
 SELF_ATOL = 1e-5  # ours vs ours: the same maths, batched differently
+
+
+def self_atol(runner: str, kv_dtype) -> float:
+    """PyTorch's float matmuls may round a row differently by the rows beside it; a key an ulp off before rounding
+    can then land on the neighbouring float16 value. The native runner's rows are the same arithmetic in any batch."""
+    return SELF_ATOL if runner == "native" or kv_dtype == torch.float32 else 1e-3
 RUNNERS = {"native": NativeRunner.build, "pytorch": TorchRunner}
+KV_DTYPES = [torch.float32, torch.float16]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,10 +43,10 @@ def one_thread():
         yield
 
 
-def paged(model, runner: str, blocks: int = 16, block_size: int = 8):
+def paged(model, runner: str, blocks: int = 16, block_size: int = 8, dtype=torch.float32):
     """A runner over a small paged cache whose free blocks come in shuffled order (tables are not contiguous)."""
     model.setup_rope(256)
-    kv = KVCache.for_model(model.config, blocks * block_size, block_size=block_size)
+    kv = KVCache.for_model(model.config, blocks * block_size, dtype, block_size=block_size)
     random.Random(0).shuffle(kv.free)
     r = RUNNERS[runner](model, kv)
     if r is None:
@@ -66,24 +74,43 @@ def run(runner, kv, seqs: list[tuple[BlockTable, int, list[int]]]) -> list[torch
     return [logits[a:b] for a, b in zip(rows, rows[1:])]
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("name", SPECS)
-def test_paged_prefill_and_decode_match_transformers(name, runner):
-    r, kv = paged(load_model(checkpoint(name).hf_dir), runner)
+def test_paged_prefill_and_decode_match_transformers(name, runner, kv_dtype):
+    r, kv = paged(load_model(checkpoint(name).hf_dir), runner, dtype=kv_dtype)
     ref = reference_run(checkpoint(name).model, PROMPT, 8)
+    atol = ATOL if kv_dtype == torch.float32 else KV16_ATOL
     table = BlockTable()
     (prefill,) = run(r, kv, [(table, 0, PROMPT)])
-    assert max_diff(prefill, ref.prefill_logits) <= ATOL
+    assert max_diff(prefill, ref.prefill_logits) <= atol
     for i, token in enumerate(ref.tokens[:-1]):  # decode steps fed transformers' own greedy tokens
         (step,) = run(r, kv, [(table, len(PROMPT) + i, [token])])
-        assert max_diff(step[0], ref.step_logits[i]) <= ATOL
+        assert max_diff(step[0], ref.step_logits[i]) <= atol
 
 
+@pytest.mark.parametrize("name", SPECS)
+def test_float16_cache_native_and_pytorch_runners_agree(name):
+    """Both runners round a key or value to float16 once, when written, and widen it when read."""
+    model = load_model(checkpoint(name).hf_dir)
+    logits = []
+    for runner in RUNNERS:
+        r, kv = paged(model, runner, dtype=torch.float16)
+        table = BlockTable()
+        out = run(r, kv, [(table, 0, PROMPT)])[0]
+        step = run(r, kv, [(table, len(PROMPT), [int(out[-1].argmax())])])[0]
+        assert kv.k[0].dtype == torch.float16
+        logits.append(torch.cat([out, step]))
+    # Values a float32 ulp apart before rounding may land on neighbouring float16 values (2^-11 relative).
+    assert max_diff(*logits) <= 1e-3
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("name", SPECS)
 @pytest.mark.parametrize("cached", [13, 16])  # a first request that ends mid-block and one that ends on a boundary
-def test_logits_after_a_prefix_hit_equal_a_full_recompute(name, runner, cached):
-    r, kv = paged(load_model(checkpoint(name).hf_dir), runner)
+def test_logits_after_a_prefix_hit_equal_a_full_recompute(name, runner, cached, kv_dtype):
+    r, kv = paged(load_model(checkpoint(name).hf_dir), runner, dtype=kv_dtype)
     (whole,) = run(r, kv, [(BlockTable(), 0, PROMPT)])
     first = BlockTable()
     run(r, kv, [(first, 0, PROMPT[:cached])])
@@ -92,28 +119,30 @@ def test_logits_after_a_prefix_hit_equal_a_full_recompute(name, runner, cached):
     hit = kv.match_prefix(second, PROMPT, limit=len(PROMPT) - 1)
     assert hit == cached - cached % kv.block_size and second.blocks[:hit // 8] == first.blocks[:hit // 8]
     (rest,) = run(r, kv, [(second, hit, PROMPT[hit:])])
-    assert max_diff(rest, whole[hit:]) <= SELF_ATOL
+    assert max_diff(rest, whole[hit:]) <= self_atol(runner, kv_dtype)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_sequences_in_one_batch_get_their_solo_logits(runner):
+def test_sequences_in_one_batch_get_their_solo_logits(runner, kv_dtype):
     name = "gemma3"  # sliding windows and a full layer
-    r, kv = paged(load_model(checkpoint(name).hf_dir), runner, blocks=32)
+    r, kv = paged(load_model(checkpoint(name).hf_dir), runner, blocks=32, dtype=kv_dtype)
     prompts = [PROMPT, prompt_tokens(9, seed=2), prompt_tokens(17, seed=3)]
     solo = [run(r, kv, [(BlockTable(), 0, p)])[0] for p in prompts]
     together = run(r, kv, [(BlockTable(), 0, p) for p in prompts])
     for a, b in zip(solo, together):
-        assert max_diff(a, b) <= SELF_ATOL
+        assert max_diff(a, b) <= self_atol(runner, kv_dtype)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------
 def tiny_engine(blocks: int = 64, prefix_cache: bool = True, max_batch: int = 4, max_batched_tokens: int = 24,
                 truth: dict | None = None, background: bool = True) -> Engine:
-    """The int4 tiny target (native rows: the same arithmetic in any batch) on an engine with 8-token blocks;
-    `truth` (prompt -> prompt and output) adds speculation by the model-free drafters and an oracle's trees."""
+    """The int4 tiny target (native rows: the same arithmetic in any batch) on an engine with 8-token blocks of a
+    float16 cache; `truth` (prompt -> prompt and output) adds speculation by the model-free drafters and an oracle's
+    trees."""
     model, _ = tiny_target(max_seq_len=8)
     model.setup_rope(256)
-    kv = KVCache.for_model(model.config, blocks * 8, block_size=8)
+    kv = KVCache.for_model(model.config, blocks * 8, torch.float16, block_size=8)  # the default KV type
     runner = NativeRunner.build(model, kv)
     if runner is None:
         pytest.skip("native kernels unavailable")
