@@ -1,5 +1,5 @@
 """Tools in the prompt: the conversation a template sees and the grammar that forces a call."""
-from fastdecode.server.formats import HermesParser
+from fastdecode.server.formats import HermesParser, MistralParser
 from fastdecode.server.tools import forced_call_grammar, template_messages
 from tests.server.formats.replay import run
 
@@ -45,3 +45,12 @@ def test_consecutive_user_turns_merge_for_templates_that_need_alternation():
     out = template_messages(messages, None, knows_tools=False)
     assert [(m["role"], m["content"]) for m in out] == [
         ("user", "a\nb"), ("assistant", "c"), ("user", "<tool_response>\nr\n</tool_response>\nd")]
+
+
+def test_call_ids_are_rewritten_for_templates_that_need_their_own():
+    messages = [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_0123456789", "type": "function",
+                                                                       "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_0123456789", "content": "ok"}]
+    out = template_messages(messages, [{"type": "function", "function": {"name": "f"}}], knows_tools=True,
+                            call_id=MistralParser.template_call_id)
+    assert out[0]["tool_calls"][0]["id"] == out[1]["tool_call_id"] == "123456789"
