@@ -3,6 +3,7 @@ from fastdecode.server.formats import HermesParser, MistralParser
 from fastdecode.server.tools import forced_call_grammar, template_messages
 from tests.server.formats.replay import run
 
+
 def test_template_without_tool_support_gets_hermes_text():
     messages = [
         {"role": "developer", "content": "Be brief."},

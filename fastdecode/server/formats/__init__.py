@@ -1,11 +1,11 @@
 """How a chat reply is read: tool calls in the format the model's chat template teaches, and reasoning text split
 from the answer. The format is chosen from the markers the template renders, not from the model's name.
 
-| template renders                    | tool calls read as                                   |
-|-------------------------------------|------------------------------------------------------|
-| `<parameter=` (Qwen3-Coder)         | `<tool_call><function=NAME><parameter=P>..` (XML)    |
-| `[TOOL_CALLS]` (Mistral)            | `[TOOL_CALLS][{...}]` or `[TOOL_CALLS]NAME[ARGS]{..}` |
-| anything else                       | Hermes/Qwen2.5 `<tool_call>{json}</tool_call>`, Llama 3.1 JSON |
+| template renders            | tool calls read as                                               |
+|-----------------------------|------------------------------------------------------------------|
+| `<parameter=` (Qwen3-Coder) | `<tool_call><function=NAME><parameter=P>...` (XML)               |
+| `[TOOL_CALLS]` (Mistral)    | `[TOOL_CALLS][{...}]` or `[TOOL_CALLS]NAME[ARGS]{...}`           |
+| anything else               | Hermes/Qwen2.5 `<tool_call>{json}</tool_call>`, Llama 3.1 JSON   |
 
 A template that renders `</think>` makes the reply's leading `<think>...</think>` reasoning; one whose generation
 prompt ends in `<think>` starts the reply inside it. Every parser takes text deltas and returns events,
@@ -27,8 +27,8 @@ from fastdecode.server.formats.reasoning import ReasoningParser
 # the tools-in-the-system-message prompt given to templates that know no tools.
 TOOL_FORMATS: list[tuple[str, type[ToolParser]]] = [("<parameter=", Qwen3CoderParser), ("[TOOL_CALLS]", MistralParser)]
 
-__all__ = ["Event", "ReplyFormat", "ToolParser", "HermesParser", "MistralParser", "Qwen3CoderParser",
-           "ReasoningParser", "tool_format", "reasoning_in"]
+__all__ = ["Event", "HermesParser", "MistralParser", "Qwen3CoderParser", "ReasoningParser", "ReplyFormat", "ToolParser",
+           "reasoning_in", "tool_format"]
 
 
 def tool_format(chat_template: str | None) -> type[ToolParser]:

@@ -61,8 +61,7 @@ class Qwen3CoderParser(ToolParser):
             if match.start() != at:
                 return None
             name, value = match.group(1), match.group(2)
-            value = value[1:] if value.startswith("\n") else value  # the template writes a newline either side
-            value = value[:-1] if value.endswith("\n") else value
+            value = value.removeprefix("\n").removesuffix("\n")  # the template writes a newline either side
             out[name] = typed(value, properties.get(name))
             at = match.end()
         return out if not body[at:].strip() else None

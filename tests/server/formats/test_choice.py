@@ -1,6 +1,13 @@
 """The format is chosen from what the chat template renders, and a parser per response comes from it."""
-from fastdecode.server.formats import (HermesParser, MistralParser, Qwen3CoderParser, ReasoningParser, ReplyFormat,
-                                       reasoning_in, tool_format)
+from fastdecode.server.formats import (
+    HermesParser,
+    MistralParser,
+    Qwen3CoderParser,
+    ReasoningParser,
+    ReplyFormat,
+    reasoning_in,
+    tool_format,
+)
 from tests.helpers.chat_models import TEMPLATES
 
 

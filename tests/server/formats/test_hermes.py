@@ -2,7 +2,7 @@
 import pytest
 
 from fastdecode.server.formats import HermesParser
-from tests.server.formats.replay import run, run_every_split
+from tests.server.formats.replay import run_every_split
 
 TOOLS = {"get_weather": None, "get_time": None}
 HERMES = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
