@@ -110,7 +110,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False, keep: set[int] | frozenset = frozenset()) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, keep: frozenset[int] | set[int] = frozenset()
+               ) -> str:
         """`keep`: special tokens that stay in the text when the others are skipped."""
         if skip_special_tokens and keep:
             ids, skip_special_tokens = [i for i in ids if i in keep or i not in self.special_ids], False

@@ -1,6 +1,6 @@
 """An OpenAI request -> what the engine runs: prompt token ids, SamplingParams and a logits processor, plus how the
-reply is read (its tool-call format and reasoning, chosen from the chat template). Every mistake in the request raises ApiError (400/404) here, before the
-request takes a place in the queue."""
+reply is read (its tool-call format and reasoning, chosen from the chat template). Every mistake in the request
+raises ApiError (400/404) here, before the request takes a place in the queue."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +15,8 @@ from fastdecode.engine.constraints import GrammarProcessor, TokenTexts, json_obj
 from fastdecode.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from fastdecode.errors import FastdecodeError
 from fastdecode.server.errors import ApiError
-from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from fastdecode.server.formats import HermesParser, ReplyFormat, reasoning_in, tool_format
+from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from fastdecode.server.tools import forced_call_grammar, template_knows_tools, template_messages
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none
@@ -91,10 +91,11 @@ def chat_prompt(body: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
     messages = [message_dict(m) for m in body.messages]
     template = llm.tokenizer.chat_template
     knows_tools = template_knows_tools(template)
-    # A forced call is written in the Hermes form its grammar spells, from the first token: no reasoning first.
-    parser = HermesParser if forced else tool_format(template)
-    rendered = template_messages(messages, tools, knows_tools, parser.template_call_id)
+    taught = tool_format(template)
+    rendered = template_messages(messages, tools, knows_tools, taught.template_call_id)
     ids = encode(lambda: llm.chat_prompt(rendered, tools if tools and knows_tools else None))
+    # A forced call is written in the Hermes form its grammar spells, from the first token: no reasoning first.
+    parser = HermesParser if forced else taught
     reasoning = None if forced else reasoning_in(template, llm.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
     reply = None
     if tools or reasoning:

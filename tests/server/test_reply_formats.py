@@ -123,10 +123,14 @@ def test_mistral_round_trip_gives_its_template_the_ids_it_accepts(mistral):
     first = mistral.claude.messages.create(model=mistral.model, max_tokens=200, messages=ASK, tools=ANTHROPIC_TOOLS)
     (call,) = [b for b in first.content if b.type == "tool_use"]
     mistral.script = "Sunny."
-    second = mistral.claude.messages.create(model=mistral.model, max_tokens=200, tools=ANTHROPIC_TOOLS, messages=ASK + [
-        {"role": "assistant", "content": first.content},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}]}])
+    history = ASK + [{"role": "assistant", "content": first.content}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}]}]
+    second = mistral.claude.messages.create(model=mistral.model, max_tokens=200, tools=ANTHROPIC_TOOLS,
+                                            messages=history)
     assert second.content[0].text == "Sunny." and second.stop_reason == "end_turn"
+    # A forced call is written in the Hermes form, but the history still goes to Mistral's template
+    assert mistral.claude.messages.count_tokens(model=mistral.model, tools=ANTHROPIC_TOOLS, messages=history,
+                                                tool_choice={"type": "any"}).input_tokens > 0
 
 
 REASONED_CALL = ('<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n'
