@@ -1,5 +1,5 @@
 """Tool calls in the prompt: the messages and tools the chat template sees, and the grammar that forces a call.
-Calls in the reply are read by server/formats/
+Calls in the reply are read by server/formats/.
 
 Templates that know tools (Qwen, Hermes, Llama 3.1, Mistral...) get `tools` and the conversation as OpenAI sends it.
 For templates that ignore `tools` (SmolLM2's, Gemma 3's) the tools go into the system message in the Hermes form and
