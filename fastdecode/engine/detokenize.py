@@ -53,8 +53,10 @@ class StopMatcher:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], keep: list[int] | None = None):
+        """`keep`: special token ids whose text stays in the output; the others are skipped."""
         self.tokenizer = tokenizer
+        self.keep = {"keep": set(keep)} if keep else {}  # decode's extra argument; none for most requests
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -67,8 +69,8 @@ class IncrementalDetokenizer:
         """Adds one output token and returns the text that is now safe to emit."""
         self.ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True, **self.keep)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True, **self.keep)
         if len(full) > len(prefix) and not full.endswith("\ufffd") and not self.stopped:  # U+FFFD: half a char
             self._extend(full[len(prefix):])
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

@@ -201,7 +201,7 @@ class LLM:
                 yield token, sampler, timings, stats
 
     def _chunks(self, tokens, prompt_ids, params, stop_ids) -> Iterator[StreamChunk]:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.keep_token_ids)
         output, finish = [], "length"
         sampler = timings = stats = None
         try:

@@ -34,6 +34,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # benchmarks decode a fixed number of tokens
     logprobs: int | None = None  # None: none; n: each output token's log-probability and its n most likely rivals
+    keep_token_ids: list[int] = field(default_factory=list)  # special tokens whose text stays in the output (the
+    # markers of a tool-call format, such as Mistral's [TOOL_CALLS]); every other special token is left out
 
     def __post_init__(self):
         if isinstance(self.stop, str):

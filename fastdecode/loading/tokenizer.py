@@ -96,6 +96,7 @@ class Tokenizer:
         self.backend = backend
         self.bos_token_id = bos_token_id
         added = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self.special_ids = set(added.values())
         self.eos_token_ids = list(dict.fromkeys([*eos_token_ids, *(added[t] for t in END_OF_TURN if t in added)]))
         if chat_template is None:
             chat_template = GEMMA_TEMPLATE if backend.token_to_id("<start_of_turn>") is not None else CHATML_TEMPLATE
@@ -109,7 +110,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, keep: frozenset[int] | set[int] = frozenset()
+               ) -> str:
+        """`keep`: special tokens that stay in the text when the others are skipped."""
+        if skip_special_tokens and keep:
+            ids, skip_special_tokens = [i for i in ids if i in keep or i not in self.special_ids], False
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **extra) -> str:

@@ -83,7 +83,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
         served.check_model(body.model)
         job = await run_in_threadpool(chat_request, body, served)
         fmt = ChatFormatter(served.id, llm.tokenizer, len(job.prompt_ids), job.params.logprobs is not None,
-                            include_usage(body), tool_names=job.tool_names)
+                            include_usage(body), reply=job.reply)
         return await answer(request, job, fmt, bool(body.stream))
 
     @app.post("/v1/completions")

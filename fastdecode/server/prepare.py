@@ -1,6 +1,6 @@
-"""An OpenAI request -> what the engine runs: prompt token ids, SamplingParams and a logits processor, plus the tool
-names whose calls the reply is parsed for. Every mistake in the request raises ApiError (400/404) here, before the
-request takes a place in the queue."""
+"""An OpenAI request -> what the engine runs: prompt token ids, SamplingParams and a logits processor, plus how the
+reply is read (its tool-call format and reasoning, chosen from the chat template). Every mistake in the request
+raises ApiError (400/404) here, before the request takes a place in the queue."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,10 +15,12 @@ from fastdecode.engine.constraints import GrammarProcessor, TokenTexts, json_obj
 from fastdecode.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from fastdecode.errors import FastdecodeError
 from fastdecode.server.errors import ApiError
+from fastdecode.server.formats import HermesParser, ReplyFormat, reasoning_in, tool_format
 from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from fastdecode.server.tools import forced_call_grammar, template_knows_tools, template_messages
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none
+PROMPT_TAIL_TOKENS = 16  # enough to see whether the generation prompt ends by opening `<think>`
 
 
 @dataclass
@@ -26,7 +28,7 @@ class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams
     logits_processor: Callable | None = None
-    tool_names: list[str] | None = None  # parse the reply for calls to these; None: the reply is plain text
+    reply: ReplyFormat | None = None  # what the reply is parsed for; None: it is plain text
     echo: str | None = None  # prompt text that /v1/completions puts before the output
 
 
@@ -62,10 +64,10 @@ def as_chat_request(fields: dict) -> ChatCompletionRequest:
 
 @dataclass
 class ChatPrompt:
-    """A chat request's prompt: its token ids, the tools the template saw, and those one of which the reply must
+    """A chat request's prompt: its token ids, how the reply is read, and the tools one of which the reply must
     call (tool_choice "required" or a named tool)."""
     ids: list[int]
-    tool_names: list[str] | None  # None: no tools shown, the reply is plain text
+    reply: ReplyFormat | None  # None: no tools shown and no reasoning, the reply is plain text
     forced: list[dict] | None = None
 
 
@@ -87,10 +89,19 @@ def chat_prompt(body: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
     if choice == "none":
         tools = []
     messages = [message_dict(m) for m in body.messages]
-    knows_tools = template_knows_tools(llm.tokenizer.chat_template)
-    rendered = template_messages(messages, tools, knows_tools)
+    template = llm.tokenizer.chat_template
+    knows_tools = template_knows_tools(template)
+    taught = tool_format(template)
+    rendered = template_messages(messages, tools, knows_tools, taught.template_call_id)
     ids = encode(lambda: llm.chat_prompt(rendered, tools if tools and knows_tools else None))
-    return ChatPrompt(ids, names if tools else None, forced)
+    # A forced call is written in the Hermes form its grammar spells, from the first token: no reasoning first.
+    parser = HermesParser if forced else taught
+    reasoning = None if forced else reasoning_in(template, llm.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
+    reply = None
+    if tools or reasoning:
+        reply = ReplyFormat(parser if tools else None, {t["function"]["name"]: t["function"].get("parameters")
+                                                        for t in tools}, reasoning)
+    return ChatPrompt(ids, reply, forced)
 
 
 def chat_request(body: ChatCompletionRequest, served: ServedModel, prompt: ChatPrompt | None = None) -> EngineRequest:
@@ -101,7 +112,10 @@ def chat_request(body: ChatCompletionRequest, served: ServedModel, prompt: ChatP
     params = sampling_params(body, prompt.ids, max_tokens, logprobs, served.llm.max_seq_len)
     grammar = forced_call_grammar(prompt.forced) if prompt.forced else response_grammar(body.response_format)
     processor = logits_processor(body, grammar, params, served)
-    return EngineRequest(prompt.ids, params, processor, prompt.tool_names)
+    if prompt.reply is not None:  # the format's special-token markers stay in the text for its parser
+        token_id = served.llm.tokenizer.backend.token_to_id
+        params.keep_token_ids = [i for i in map(token_id, prompt.reply.special_markers) if i is not None]
+    return EngineRequest(prompt.ids, params, processor, prompt.reply)
 
 
 def completion_request(body: CompletionRequest, served: ServedModel) -> EngineRequest:

@@ -11,7 +11,7 @@ import secrets
 import time
 
 from fastdecode.server.errors import error_body
-from fastdecode.server.tools import ToolCallParser
+from fastdecode.server.formats import ReplyFormat
 
 DONE = "data: [DONE]\n\n"
 FINGERPRINT = "fastdecode"
@@ -59,7 +59,7 @@ class Formatter:
     object_name = ""
 
     def __init__(self, model: str, tokenizer, prompt_tokens: int, logprobs: bool, include_usage: bool,
-                 tool_names: list[str] | None = None):
+                 reply: ReplyFormat | None = None):
         self.id = f"{self.prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.model = model
@@ -71,7 +71,7 @@ class Formatter:
         self.entries: list[dict] = []  # engine logprob entries, all of them
         self.sent = 0  # entries already attached to a chunk
         self.completion = None  # the engine's Completion, once the last chunk came
-        self.parser = ToolCallParser(tool_names) if tool_names else None  # None: the reply is plain text
+        self.parser = reply.parser() if reply is not None else None  # None: the reply is plain text
 
     # How the stream is written: OpenAI's chat and text completions are bare `data:` lines ended by [DONE], and start
     # with the first token, so that an error before it keeps its HTTP status. The Messages and Responses APIs name each
@@ -106,7 +106,8 @@ class Formatter:
             self.entries += chunk.logprobs
 
     def reply_events(self, chunk) -> list[tuple[str, object]]:
-        """Counts the chunk; its text as ("content", text) and ("tool_call", call) events, in order."""
+        """Counts the chunk; its text as ("content", text), ("reasoning", text) and ("tool_call", call) events, in
+        order."""
         self.count(chunk)
         if self.parser is None:
             return [("content", chunk.text)] if chunk.text else []
@@ -144,6 +145,7 @@ class ChatFormatter(Formatter):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.content: list[str] = []
+        self.reasoning: list[str] = []
         self.tool_calls: list[dict] = []
 
     def start(self) -> list[dict]:
@@ -165,6 +167,8 @@ class ChatFormatter(Formatter):
         content = "".join(self.content)
         message = {"role": "assistant", "content": content if content or not self.tool_calls else None,
                    "refusal": None}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
         if self.tool_calls:
             message["tool_calls"] = self.tool_calls
         choice = {"index": 0, "message": message, "logprobs": None,
@@ -187,9 +191,9 @@ class ChatFormatter(Formatter):
     def _choices(self, events) -> list[dict]:
         out = []
         for kind, value in events:
-            if kind == "content":
-                self.content.append(value)
-                choice = self._choice({"content": value})
+            if kind in ("content", "reasoning"):
+                (self.content if kind == "content" else self.reasoning).append(value)
+                choice = self._choice({"content" if kind == "content" else "reasoning_content": value})
                 if self.logprobs and self.sent < len(self.entries):
                     choice["logprobs"] = {"content": self._logprobs(self.unsent())}
                 out.append(choice)

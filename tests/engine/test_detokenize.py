@@ -101,3 +101,16 @@ def test_stop_matching_work_per_token_does_not_grow_with_the_stop_strings_length
         assert out == "" and d.flush() == "a" * 300
         return count
     assert calls(4000) == calls(400)
+
+
+def test_kept_special_tokens_stay_in_the_text_and_others_are_skipped():
+    from fastdecode.loading.tokenizer import Tokenizer
+    from tests.helpers.chat_models import byte_tokenizer
+
+    tokenizer = Tokenizer(byte_tokenizer(), None, [])
+    ids = tokenizer.encode('<|im_start|>a[TOOL_CALLS]f[ARGS]{"x": 1}', add_special_tokens=False)
+    keep = [tokenizer.backend.token_to_id(t) for t in ("[TOOL_CALLS]", "[ARGS]")]
+    d = IncrementalDetokenizer(tokenizer, [], stop=[], keep=keep)
+    assert "".join(d.add(t) for t in ids) + d.flush() == 'a[TOOL_CALLS]f[ARGS]{"x": 1}'
+    plain = IncrementalDetokenizer(tokenizer, [], stop=[])
+    assert "".join(plain.add(t) for t in ids) + plain.flush() == 'af{"x": 1}'

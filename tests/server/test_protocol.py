@@ -4,6 +4,7 @@ import json
 
 from fastdecode.engine.generate import Timings
 from fastdecode.engine.llm import Completion, StreamChunk
+from fastdecode.server.formats import HermesParser, ReplyFormat
 from fastdecode.server.protocol import DONE, ChatFormatter, TextFormatter, sse
 
 
@@ -30,7 +31,7 @@ def run(fmt, chunks):
 
 def test_chat_stream_has_role_content_tool_call_finish_and_usage():
     text = 'Hi <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
-    fmt = ChatFormatter("m", CharTokenizer(), 3, True, True, tool_names=["f"])
+    fmt = ChatFormatter("m", CharTokenizer(), 3, True, True, reply=ReplyFormat(HermesParser, {"f": None}))
     chunks = run(fmt, engine_chunks(text))
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
@@ -58,6 +59,20 @@ def test_chat_response_matches_the_stream():
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 11, "total_tokens": 14,
                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert streamed[-1]["fastdecode"]["output_tokens"] == 11 and "usage" not in streamed[-1]
+
+
+def test_reasoning_streams_as_reasoning_content_and_joins_in_the_message():
+    pieces = engine_chunks("<think>\nA plan.\n</think>\n\nThe answer.", logprobs=False)
+    reply = ReplyFormat(reasoning="tags")
+    streamed = run(ChatFormatter("m", CharTokenizer(), 3, False, False, reply=reply), pieces)
+    deltas = [c["choices"][0]["delta"] for c in streamed if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "A plan."
+    assert "".join(d.get("content") or "" for d in deltas) == "The answer."
+    whole = ChatFormatter("m", CharTokenizer(), 3, False, False, reply=reply)
+    for chunk in pieces:
+        whole.add(chunk)
+    message = whole.response(pieces[-1].completion, "done", 0.0)["choices"][0]["message"]
+    assert message["reasoning_content"] == "A plan." and message["content"] == "The answer."
 
 
 def test_cut_short_reply_finishes_with_length_and_counts_streamed_tokens():

@@ -1,26 +1,32 @@
-"""The engine's chunks as a Messages API reply: content blocks (text, tool_use), stop_reason and usage, streamed as
-named events in the order the SDK's stream helper checks: message_start, ping, then per block content_block_start,
-content_block_delta (text_delta or input_json_delta) and content_block_stop, then message_delta and message_stop."""
+"""The engine's chunks as a Messages API reply: content blocks (thinking, text, tool_use), stop_reason and usage,
+streamed as named events in the order the SDK's stream helper checks: message_start, ping, then per block
+content_block_start, content_block_delta (thinking_delta, text_delta or input_json_delta; a thinking block ends
+with its signature_delta) and content_block_stop, then message_delta and message_stop.
+
+A thinking block's `signature` is a digest of its text: the API requires the field, and the blocks a client sends
+back are left out of the prompt, so nothing here verifies it."""
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 
 from fastdecode.server.errors import anthropic_error_body
+from fastdecode.server.formats import ReplyFormat
 from fastdecode.server.protocol import Formatter, cached_tokens, named_sse, speed
 
 
 class MessagesFormatter(Formatter):
     prefix, early_start = "msg", True
 
-    def __init__(self, model: str, tokenizer, prompt_tokens: int, tool_names: list[str] | None,
+    def __init__(self, model: str, tokenizer, prompt_tokens: int, reply: ReplyFormat | None,
                  stop_sequences: list[str] | None, clamped: bool):
-        super().__init__(model, tokenizer, prompt_tokens, logprobs=False, include_usage=False, tool_names=tool_names)
+        super().__init__(model, tokenizer, prompt_tokens, logprobs=False, include_usage=False, reply=reply)
         self.id = f"msg_{secrets.token_hex(12)}"
         self.stop_sequences = stop_sequences or []
         self.clamped = clamped
         self.blocks: list[dict] = []
-        self.text_open = False  # the last block is text that may still grow
+        self.growing: str | None = None  # the type of the last block while it may still grow (text, thinking)
 
     def keepalive(self) -> dict:
         return {"type": "ping"}
@@ -44,7 +50,7 @@ class MessagesFormatter(Formatter):
 
     def finish(self, completion, end: str | None, queue_s: float) -> list[dict]:
         self.settle(completion)
-        out = self._blocks(self.last_reply_events()) + self._close_text()
+        out = self._blocks(self.last_reply_events()) + self._close()
         reason, sequence = self.stop_reason(completion, end)
         return out + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                        "usage": self.usage(completion), "fastdecode": speed(queue_s, completion, end)},
@@ -82,14 +88,17 @@ class MessagesFormatter(Formatter):
     def _blocks(self, events) -> list[dict]:
         out = []
         for kind, value in events:
-            if kind == "content":
-                if not self.text_open:
-                    out.append(self._open({"type": "text", "text": ""}))
-                    self.text_open = True
-                self.blocks[-1]["text"] += value
-                out.append(self._delta({"type": "text_delta", "text": value}))
+            if kind in ("content", "reasoning"):
+                block_type, field = ("text", "text") if kind == "content" else ("thinking", "thinking")
+                if self.growing != block_type:
+                    out += self._close()
+                    out.append(self._open({"type": "text", "text": ""} if kind == "content"
+                                          else {"type": "thinking", "thinking": "", "signature": ""}))
+                    self.growing = block_type
+                self.blocks[-1][field] += value
+                out.append(self._delta({"type": f"{field}_delta", field: value}))
                 continue
-            out += self._close_text()
+            out += self._close()
             arguments = value["function"]["arguments"]
             block = {"type": "tool_use", "id": "toolu_" + value["id"].removeprefix("call_"),
                      "name": value["function"]["name"], "input": {}}
@@ -108,8 +117,14 @@ class MessagesFormatter(Formatter):
     def _stop(self) -> dict:
         return {"type": "content_block_stop", "index": len(self.blocks) - 1}
 
-    def _close_text(self) -> list[dict]:
-        if not self.text_open:
+    def _close(self) -> list[dict]:
+        """Ends the growing block, if any; a thinking block gets its signature first."""
+        if self.growing is None:
             return []
-        self.text_open = False
-        return [self._stop()]
+        out = []
+        if self.growing == "thinking":
+            block = self.blocks[-1]
+            block["signature"] = hashlib.sha256(block["thinking"].encode()).hexdigest()
+            out.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
+        self.growing = None
+        return out + [self._stop()]

@@ -26,7 +26,7 @@ def messages_routes(served: ServedModel, answer) -> APIRouter:
         job = prepared.job
         log.info("messages: %d turns, %d tools, %d prompt tokens, max_tokens %d%s", len(body.messages),
                  len(body.tools or []), len(job.prompt_ids), job.params.max_tokens, ", streamed" if body.stream else "")
-        fmt = MessagesFormatter(served.id, served.llm.tokenizer, len(job.prompt_ids), job.tool_names,
+        fmt = MessagesFormatter(served.id, served.llm.tokenizer, len(job.prompt_ids), job.reply,
                                 body.stop_sequences, prepared.clamped)
         return await answer(request, job, fmt, bool(body.stream))
 

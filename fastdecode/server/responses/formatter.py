@@ -1,11 +1,13 @@
-"""The engine's chunks as a Responses API reply: output items (a `message` holding `output_text`, `function_call`s)
-and usage, streamed as the `response.*` events the SDK's stream helper accumulates: created, in_progress, per item
-output_item.added, its deltas (output_text.delta or function_call_arguments.delta) and their .done events,
-output_item.done, then completed (or incomplete when max_output_tokens ran out)."""
+"""The engine's chunks as a Responses API reply: output items (a `reasoning` item holding `reasoning_text`, a
+`message` holding `output_text`, `function_call`s) and usage, streamed as the `response.*` events the SDK's stream
+helper accumulates: created, in_progress, per item output_item.added, its deltas (reasoning_text.delta,
+output_text.delta or function_call_arguments.delta) and their .done events, output_item.done, then completed (or
+incomplete when max_output_tokens ran out)."""
 from __future__ import annotations
 
 import secrets
 
+from fastdecode.server.formats import ReplyFormat
 from fastdecode.server.protocol import Formatter, cached_tokens, named_sse, speed
 from fastdecode.server.responses.schemas import ResponsesRequest
 
@@ -13,9 +15,9 @@ from fastdecode.server.responses.schemas import ResponsesRequest
 class ResponsesFormatter(Formatter):
     prefix, early_start = "resp", True
 
-    def __init__(self, model: str, tokenizer, prompt_tokens: int, tool_names: list[str] | None,
+    def __init__(self, model: str, tokenizer, prompt_tokens: int, reply: ReplyFormat | None,
                  body: ResponsesRequest):
-        super().__init__(model, tokenizer, prompt_tokens, logprobs=False, include_usage=False, tool_names=tool_names)
+        super().__init__(model, tokenizer, prompt_tokens, logprobs=False, include_usage=False, reply=reply)
         self.id = f"resp_{secrets.token_hex(12)}"
         self.request = {  # what a response echoes of its request
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -27,7 +29,7 @@ class ResponsesFormatter(Formatter):
             "text": {"format": {"type": body.text.format.type}} if body.text and body.text.format
             else {"format": {"type": "text"}}}
         self.items: list[dict] = []
-        self.text_open = False  # the last item is a message whose text may still grow
+        self.growing: str | None = None  # the type of the last item while its text may still grow (message, reasoning)
         self.sequence = 0
 
     def keepalive(self) -> dict:
@@ -53,7 +55,7 @@ class ResponsesFormatter(Formatter):
 
     def finish(self, completion, end: str | None, queue_s: float) -> list[dict]:
         self.settle(completion)
-        out = self._output(self.last_reply_events()) + self._close_text()
+        out = self._output(self.last_reply_events()) + self._close()
         final = self.response_object(self.status(completion, end), completion)
         final["fastdecode"] = speed(queue_s, completion, end)
         return out + [self._event(f"response.{final['status']}", response=final)]
@@ -85,16 +87,17 @@ class ResponsesFormatter(Formatter):
     def _output(self, events) -> list[dict]:
         out = []
         for kind, value in events:
-            if kind == "content":
-                if not self.text_open:
-                    out += self._open_message()
-                message = self.items[-1]
-                message["content"][0]["text"] += value
-                out.append(self._event("response.output_text.delta", item_id=message["id"],
-                                       output_index=len(self.items) - 1, content_index=0, delta=value,
-                                       logprobs=[]))
+            if kind in ("content", "reasoning"):
+                item_type = "message" if kind == "content" else "reasoning"
+                if self.growing != item_type:
+                    out += self._close() + self._open(item_type)
+                item = self.items[-1]
+                item["content"][0]["text"] += value
+                extra = {"logprobs": []} if kind == "content" else {}
+                out.append(self._event(f"response.{PART[item_type]}.delta", item_id=item["id"],
+                                       output_index=len(self.items) - 1, content_index=0, delta=value, **extra))
                 continue
-            out += self._close_text()
+            out += self._close()
             arguments = value["function"]["arguments"]
             item = {"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": value["id"],
                     "name": value["function"]["name"], "arguments": "", "status": "in_progress"}
@@ -109,30 +112,40 @@ class ResponsesFormatter(Formatter):
                     self._event("response.output_item.done", output_index=index, item=dict(item))]
         return out
 
-    def _open_message(self) -> list[dict]:
-        self.text_open = True
+    def _open(self, item_type: str) -> list[dict]:
+        self.growing = item_type
         item = {"type": "message", "id": f"msg_{secrets.token_hex(12)}", "status": "in_progress",
-                "role": "assistant", "content": []}
+                "role": "assistant", "content": []} if item_type == "message" else {
+                "type": "reasoning", "id": f"rs_{secrets.token_hex(12)}", "status": "in_progress", "summary": [],
+                "content": []}
         self.items.append(item)
         index = len(self.items) - 1
         added = self._event("response.output_item.added", output_index=index, item={**item, "content": []})
-        item["content"].append(output_text(""))
+        item["content"].append(text_part(item_type, ""))
         return [added, self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                   content_index=0, part=output_text(""))]
+                                   content_index=0, part=text_part(item_type, ""))]
 
-    def _close_text(self) -> list[dict]:
-        if not self.text_open:
+    def _close(self) -> list[dict]:
+        if self.growing is None:
             return []
-        self.text_open = False
+        item_type, self.growing = self.growing, None
         item, index = self.items[-1], len(self.items) - 1
         item["status"] = "completed"
         part = item["content"][0]
-        return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=part["text"], logprobs=[]),
+        extra = {"logprobs": []} if item_type == "message" else {}
+        return [self._event(f"response.{PART[item_type]}.done", item_id=item["id"], output_index=index,
+                            content_index=0, text=part["text"], **extra),
                 self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                             part=dict(part)),
                 self._event("response.output_item.done", output_index=index,
                             item={**item, "content": [dict(part)]})]
+
+
+PART = {"message": "output_text", "reasoning": "reasoning_text"}  # an item's text part, as event names spell it
+
+
+def text_part(item_type: str, text: str) -> dict:
+    return output_text(text) if item_type == "message" else {"type": "reasoning_text", "text": text}
 
 
 def output_text(text: str) -> dict:

@@ -24,7 +24,7 @@ def responses_routes(served: ServedModel, answer) -> APIRouter:
         log.info("responses: %d input items, %d tools, %d prompt tokens, max_tokens %d%s",
                  1 if isinstance(body.input, str) else len(body.input), len(body.tools or []), len(job.prompt_ids),
                  job.params.max_tokens, ", streamed" if body.stream else "")
-        fmt = ResponsesFormatter(served.id, served.llm.tokenizer, len(job.prompt_ids), job.tool_names, body)
+        fmt = ResponsesFormatter(served.id, served.llm.tokenizer, len(job.prompt_ids), job.reply, body)
         return await answer(request, job, fmt, bool(body.stream))
 
     return router

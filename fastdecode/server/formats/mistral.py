@@ -1,0 +1,68 @@
+"""Mistral's calls after a `[TOOL_CALLS]` special token, in both forms its templates have used:
+
+    [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]      (Mistral 7B v0.3, Nemo, Small 3.1)
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}                             (Small 3.2, Devstral, Magistral)
+
+The second form repeats `[TOOL_CALLS]` for each call and may carry `[CALL_ID]id` before `[ARGS]`. There is no
+closing marker: a call ends where its JSON does. `[TOOL_CALLS]`, `[ARGS]` and `[CALL_ID]` are special tokens,
+which the detokenizer keeps in the text for this format only.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from fastdecode.server.formats.base import ToolParser, call_from_json, new_call
+
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+NAMED = re.compile(r"([a-zA-Z0-9_.-]{1,64})(?:\[CALL_ID\][A-Za-z0-9_-]*)?\[ARGS\]\s*")
+NAMING = re.compile(r"[a-zA-Z0-9_.-]{0,64}(?:\[CALL_ID\][A-Za-z0-9_-]*)?")  # what a NAMED may still grow from
+DECODER = json.JSONDecoder()
+
+
+class MistralParser(ToolParser):
+    starts = (TOOL_CALLS,)
+    special_markers = (TOOL_CALLS, ARGS, CALL_ID)
+
+    @staticmethod
+    def template_call_id(call_id: str) -> str:
+        """Mistral's templates refuse ids that are not 9 letters or digits: the id's last 9 of them, padded."""
+        return "".join(c for c in call_id if c.isascii() and c.isalnum())[-9:].rjust(9, "0")
+
+    def read_call(self, text: str, final: bool):
+        rest = text[len(TOOL_CALLS):]
+        body = rest.lstrip()
+        offset = len(text) - len(body)
+        if not body:
+            return (None, len(text)) if final else None
+        if body[0] in "[{":  # the older form: a JSON list of calls (or one call)
+            value, end = json_prefix(body, final)
+            if end is None:
+                return None if not final else (None, len(text))
+            values = value if isinstance(value, list) else [value]
+            calls = [call_from_json(v, self.tools) for v in values]
+            return (calls if calls and all(calls) else None), offset + end
+        named = NAMED.match(body)
+        if named is None:
+            tail = body[NAMING.match(body).end():]
+            if not final and (ARGS.startswith(tail) or CALL_ID.startswith(tail)):
+                return None  # the name, its id or [ARGS] still coming
+            return None, len(TOOL_CALLS)  # the marker alone is text; what follows is read again
+        value, end = json_prefix(body[named.end():], final)
+        if end is None:
+            return None if not final else (None, len(text))
+        name, used = named.group(1), offset + named.end() + end
+        if name not in self.tools or not isinstance(value, dict):
+            return None, used
+        return [new_call(name, value)], used
+
+
+def json_prefix(text: str, final: bool):
+    """(value, end) of the JSON value that opens `text`; (None, None) while it is not complete. Tried only when
+    the text so far ends like a JSON container, so a long call is not re-decoded at every delta."""
+    if not final and not text.rstrip().endswith(("}", "]")):
+        return None, None
+    try:
+        return DECODER.raw_decode(text)
+    except ValueError:
+        return None, None

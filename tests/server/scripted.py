@@ -1,0 +1,59 @@
+"""A server in this process over a tiny chat model whose replies are scripted: the real engine, tokenizer,
+detokenizer, template and formatters, with each output token forced by a logits processor to spell the text a
+test sets. The model's weights are random; what it says is the test's, how the server reads it is under test."""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+import uvicorn
+
+from fastdecode.engine.llm import LLM
+from fastdecode.server.app import create_app
+from fastdecode.server.config import ServerConfig
+from tests.helpers.chat_models import chat_model
+from tests.server.conftest import free_port
+
+
+class ScriptedLLM:
+    """An LLM whose next replies are `script`'s tokens, then end-of-sequence."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.script = ""
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+    def stream(self, prompt, params=None, logits_processor=None, **kw):
+        assert logits_processor is None, "a scripted reply takes no grammar or logit bias"
+        tokenizer = self.llm.tokenizer
+        ids = tokenizer.encode(self.script, add_special_tokens=False) + tokenizer.eos_token_ids[:1]
+
+        def force(output_ids, logits):
+            forced = torch.full_like(logits, float("-inf"))
+            forced[ids[min(len(output_ids), len(ids) - 1)]] = 0.0
+            return forced
+        return self.llm.stream(prompt, params, force, **kw)
+
+
+@contextmanager
+def scripted_server(name: str):
+    """(llm, base_url) of a server on chat_model(name), stopped at the end of the block."""
+    llm = ScriptedLLM(LLM(str(chat_model(name)), max_seq_len=4096, native=False, max_batch=2))
+    server = uvicorn.Server(uvicorn.Config(create_app(llm, ServerConfig()), host="127.0.0.1", port=free_port(),
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the scripted server did not start"
+        time.sleep(0.05)
+    try:
+        yield llm, f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        llm.close()
