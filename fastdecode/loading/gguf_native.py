@@ -1,11 +1,14 @@
 """GGUF file -> a model whose matrices keep the file's own formats, built one module at a time: no float copy of the
 model ever exists.
 
-- Q8_0 -> Int8Linear, Q4_0/Q4_1 -> Int4Linear (groups of 32), value for value (block_tensors).
-- Other quantized types (K-quants, Q5_x) and packed modules whose shards differ in type: that module alone is
-  dequantized and requantized to int8 (a second rounding, logged). F32/F16/BF16 matrices, norms and biases are float.
-- The token embedding reads its rows from kept blocks (QuantEmbedding, one module with a tied lm_head), else it is a
-  float table.
+- Q8_0 -> Int8Linear, Q4_0/Q4_1 -> Int4Linear (groups of 32), Q4_K/Q5_K/Q6_K -> KQuantLinear, value for value
+  (block_tensors).
+- Other quantized types (Q5_0/Q5_1, Q2_K/Q3_K) and packed modules whose shards differ in type: that module alone is
+  dequantized and requantized to int8 (a second rounding, logged). A module holds one format, so a packed qkv of
+  Q4_K q/k beside a Q6_K v (Q4_K_M files do this in about half their layers) is such a module; a lone v or down
+  projection in Q6_K is kept. F32/F16/BF16 matrices, norms and biases are float.
+- The token embedding reads its rows from kept blocks (QuantEmbedding, one module with a tied lm_head; K-quants
+  included), else it is a float table.
 
 The model is built on the meta device and each module made real as its tensors are read; a tensor's pages leave the
 mapping once copied (GGUFFile.release), so memory holds the finished modules plus the one in flight. The LM head and
@@ -32,7 +35,8 @@ from fastdecode.quant.embedding import QuantEmbedding
 
 log = logging.getLogger(__name__)
 
-KEPT = {QType.Q8_0: "int8", QType.Q4_0: "int4", QType.Q4_1: "int4"}  # GGML type -> the scheme that holds it as is
+KEPT = {QType.Q8_0: "int8", QType.Q4_0: "int4", QType.Q4_1: "int4",  # GGML type -> the scheme that holds it as is
+        QType.Q4_K: "q4_k", QType.Q5_K: "q5_k", QType.Q6_K: "q6_k"}
 FLOAT_TYPES = {QType.F32, QType.F16, QType.BF16}
 SHARDS: dict[str, list[str]] = {}  # our packed module -> its Hugging Face shards, in packing order
 for _hf, (_ours, _) in sorted(PACKED_MODULES.items(), key=lambda item: item[1]):
