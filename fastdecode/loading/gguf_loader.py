@@ -109,7 +109,7 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
 # int8; Q4_0 is d and 16 bytes of nibbles, w = d * (q - 8); Q4_1 is d, m and the nibbles, w = d * q + m. A block's
 # byte j holds q[j] in its low nibble and q[j + 16] in its high one.
 BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
-# K-quants (super-blocks of 256 weights) go to KQuantLinear as the file's bytes, repacked there (fastdecode.quant.kquant).
+# K-quants (super-blocks of 256 weights) go to KQuantLinear as the file's bytes, repacked there (quant/kquant.py).
 K_BLOCK_BYTES = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, GGMLQuantizationType.Q6_K: 210}
 
 
