@@ -226,3 +226,30 @@ def test_k_quant_model_logits_agree_with_the_dequantized_model(name, types):
     ref, out = logits(load_model(path), TOKENS), logits(load_model(path, quant="gguf"), TOKENS)
     assert (out - ref).norm() / ref.norm() < 0.05
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("qtype", [QType.Q5_0, QType.Q5_1])
+def test_q5_blocks_go_into_int8_value_for_value(qtype):
+    # No 5-bit kernel, but d * (q - 16) and d * q + m are int8 blocks exactly: no second rounding.
+    path = uniform_gguf(qtype)
+    kept = load_gguf_native(path)
+    assert not any(type(m) is nn.Linear for m in kept.modules())
+    t = GGUFFile(path).tensors["blk.0.ffn_down.weight"]
+    expected = torch.from_numpy(dequantize(np.asarray(t.data), t.type).reshape(t.shape).copy())
+    b = block_tensors(t)
+    mins = b["mins"].float() if "mins" in b else None
+    assert torch.equal(dequantize_blockwise(b["qweight"], b["scales"].float(), mins), expected)
+    down = kept.layers[0].mlp.down_proj
+    assert isinstance(down, Int8Linear) and torch.equal(down.rows(torch.arange(down.out_features)), expected)
+
+
+def test_a_qkv_of_q5_0_beside_q8_0_is_one_exact_int8_module(caplog):
+    # gemma3-270m's layout: q/k Q5_0, v Q8_0.
+    path = scratch_dir() / "llama-q5_0-q8_0.gguf"
+    write_gguf(build_model("llama"), path, "llama", tensor_type=lambda n, ndim: QType.F32 if ndim == 1 else
+               QType.Q8_0 if ".attn_v." in n else QType.Q5_0)
+    with caplog.at_level(logging.WARNING):
+        kept = load_gguf_native(path)
+    assert "requantized" not in caplog.text
+    qkv, w = kept.layers[1].self_attn.qkv_proj, load_model(path).layers[1].self_attn.qkv_proj.weight
+    assert isinstance(qkv, Int8Linear) and torch.equal(qkv.rows(torch.arange(w.shape[0])), w)
