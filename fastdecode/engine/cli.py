@@ -27,8 +27,8 @@ def model_options(f):
                      help="Precision of float weights (default float32). Given without --quant, the model runs in "
                           "float weights."),
         click.option("--quant", type=click.Choice(["none", "int8", "int4", "mxfp4", "nvfp4", "gguf"]), default=None,
-                     help="Weight format. Default: a GGUF file's own (gguf: Q8_0/Q4_0/Q4_1 blocks kept as they are, "
-                          "other types requantized to int8), float for a Hugging Face directory. none: float "
+                     help="Weight format. Default: a GGUF file's own (gguf: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and Q4_K/Q5_K/Q6_K "
+                          "blocks kept as they are, Q2_K/Q3_K requantized to int8), float for a Hugging Face directory. none: float "
                           "weights (the reference); int8/int4/mxfp4/nvfp4: quantized after loading."),
         click.option("--group-size", type=int, default=32, show_default=True, help="Group size for int4."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's)."),

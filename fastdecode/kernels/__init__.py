@@ -12,10 +12,10 @@ from fastdecode.kernels.jit import FLAGS, build, native_enabled
 
 __all__ = ["FLAGS", "native_enabled", "native_ops"]
 
-SOURCES = [Path(__file__).with_name(n) for n in ("quant.cpp", "decode_step.cpp", "bindings.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("quant.cpp", "kquant.cpp", "decode_step.cpp", "bindings.cpp")]
 
 
 @functools.cache
 def native_ops():
-    """The compiled module (q8_linear, q4_linear, forward_batch), or None where it cannot be had."""
+    """The compiled module (q8_linear, q4_linear, kq_linear, forward_batch), or None where it cannot be had."""
     return build("fastdecode_native", SOURCES, "using PyTorch's kernels")

@@ -5,6 +5,7 @@
 namespace fastdecode {
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 }  // namespace fastdecode
 
 at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
@@ -17,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W 8-bit packed (N/4, K/32, 144 or 136) with fp16 block scales (and offsets)");
   m.def("q4_linear", &fastdecode::q4_linear,
         "y = x @ W.T + bias, W 4-bit packed (N/4, K/64, 160) with fp16 scales and mins");
+  m.def("kq_linear", &fastdecode::kq_linear,
+        "y = x @ W.T + bias, W a GGUF K-quant (Q4_K, Q5_K, Q6_K) packed (N/4, K/256, 592 | 720 | 840)");
   // The GIL is released: a server's event loop keeps answering while a step runs.
   m.def("forward_batch", &forward_batch, py::call_guard<py::gil_scoped_release>(),
         "the new rows of a batch of sequences (decode steps, prompt chunks, draft trees) through every layer over a "

@@ -20,6 +20,7 @@
 namespace fastdecode {
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 }  // namespace fastdecode
 
 namespace {
@@ -32,11 +33,16 @@ enum Slot {
 
 inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
-// A float weight (N, K), or a packed quantized one (quant.cpp): 8-bit (N/4, K/32, 144 or 136) or int4 (N/4, K/64, 160).
+// A float weight (N, K), or a packed quantized one, told apart by its tile size: 8-bit (N/4, K/32, 144 or 136) or int4
+// (N/4, K/64, 160) (quant.cpp), a GGUF K-quant (N/4, K/256, 592 | 720 | 840) (kquant.cpp).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   c10::optional<at::Tensor> bias = present(b) ? c10::optional<at::Tensor>(b) : c10::nullopt;
   if (w.scalar_type() != at::kByte) return at::linear(x, w, bias);
-  return w.size(2) != 160 ? fastdecode::q8_linear(x, w, bias) : fastdecode::q4_linear(x, w, bias);
+  switch (w.size(2)) {
+    case 136: case 144: return fastdecode::q8_linear(x, w, bias);
+    case 160: return fastdecode::q4_linear(x, w, bias);
+    default: return fastdecode::kq_linear(x, w, bias);
+  }
 }
 
 void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {

@@ -22,6 +22,7 @@
 
 #include <vector>
 
+#include "quant_rows.h"
 #include "simd.h"
 
 namespace {
@@ -29,65 +30,14 @@ namespace {
 constexpr int64_t QK = 32;
 
 using fastdecode::hsum;
-
-// x (rows, K) float, K a multiple of 64 -> xq (rows, K) int8 quantized per block of 32 (d = amax / 127), and per pair
-// of blocks (b, b+1) 16 floats xs: (d_b x4, d_b+1 x4) to scale the pair's dot products, then (s_b, s_b+1) x4 with
-// s = d * sum(q), the weight mins' factor. xq is stored in the order q4_rows reads it: per pair of blocks, elements
-// 0..15 of b, of b+1, then elements 16..31 of b, of b+1 (the halves that a weight byte's two nibbles meet).
-void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* xs) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t i = 0; i < blocks; ++i, x += QK) {
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(x + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const float d = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))) / 127.0f;
-    const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-    __m256i q[4];
-    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // round to nearest even
-    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    // packs interleave 128-bit lanes; the permute restores element order.
-    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    p = _mm256_permutevar8x32_epi32(p, perm);
-    const int64_t pair = i / 2, half = i % 2;
-    int8_t* out = xq + 64 * pair + 16 * half;
-    _mm_storeu_si128((__m128i*)out, _mm256_castsi256_si128(p));
-    _mm_storeu_si128((__m128i*)(out + 32), _mm256_extracti128_si256(p, 1));
-    float* s = xs + 16 * pair;
-    const float sx = d * hsum(_mm256_cvtepi32_ps(sum));
-    for (int j = 0; j < 4; ++j) {
-      s[4 * half + j] = d;
-      s[8 + 2 * j + half] = sx;
-    }
-  }
-}
-
-// Row r's (block b, block b+1) scales out of a pair's 8 (row, block) lanes: b's into lanes 0-3, b+1's into 4-7, as
-// the pair's dot products come out of vpmaddwd.
-inline __m256i row_scales(int r) {
-  return _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1);
-}
+using fastdecode::pair_dot;
+using fastdecode::quantize_rows;
+using fastdecode::row_scales;
 
 // MR quantized activation rows against one tile of 4 rows of 4-bit weights -> y[m][4 t + r]. One pass over K per
 // weight row, the row's nibbles unpacked once per pair of blocks and used for all MR activation rows (whose
 // accumulators are all that stays in registers, so MR can be large). For every output the arithmetic is the same
 // whatever MR: a row's result does not depend on how many rows share the call (verify steps reproduce decode steps).
-// One weight row's 32 bytes of a pair of blocks times one activation row's 64 int8 (as quantize_rows lays them out)
-// -> the 8 int32 partial dot products: lanes 0-3 block b, 4-7 block b+1.
-inline __m256i pair_dot(const uint8_t* wq, const int8_t* x) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i q = _mm256_loadu_si256((const __m256i*)wq);
-  const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-  // u4 * i8 pair sums stay far inside int16, so both halves add before widening.
-  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x)),
-                                            _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)))),
-                           _mm256_set1_epi16(1));
-}
-
 template <int MR>
 void q4_rows(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int64_t N, int64_t t, float* y) {
   const int64_t pairs = K / 64;
@@ -261,7 +211,6 @@ void q8f_tile(const uint8_t* wt, int64_t K, const float* X, int64_t M, int64_t N
 
 namespace fastdecode {
 
-namespace {
 // x (..., K) as a contiguous float (M, K) matrix.
 at::Tensor as_rows(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
@@ -275,7 +224,6 @@ const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N) {
               "bias must be float32 of out_features");
   return bias->data_ptr<float>();
 }
-}  // namespace
 
 // w (N/4, K/32, 144 or 136) uint8. Weight-only: the activations stay float (int8 activations cost about 2% top-1
 // agreement with the float model, see docs/quantization.md), which costs little where weights dominate the time.

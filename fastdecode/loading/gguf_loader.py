@@ -1,5 +1,5 @@
 """GGUF checkpoint -> ModelConfig and Hugging Face-named float tensors (dequantized with the `gguf` package), and
-the Q8_0/Q4_0/Q4_1 block tensors as they are, for the int8/int4 modules that hold those layouts (gguf_native)."""
+the Q8_0/Q4_0/Q4_1 and K-quant block tensors as they are, for the modules that hold those layouts (gguf_native)."""
 from __future__ import annotations
 
 import numpy as np
@@ -108,21 +108,36 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
 # Block types our int8/int4 modules hold value for value (bytes per block of 32 weights): Q8_0 is d (fp16) and 32
 # int8; Q4_0 is d and 16 bytes of nibbles, w = d * (q - 8); Q4_1 is d, m and the nibbles, w = d * q + m. A block's
 # byte j holds q[j] in its low nibble and q[j + 16] in its high one.
-BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
+# Q5_0 is d, 4 bytes of fifth bits (bit j of the little-endian uint32: element j) and the nibbles, w = d * (q - 16);
+# Q5_1 adds m, w = d * q + m: int8 blocks hold both exactly.
+BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20,
+               GGMLQuantizationType.Q5_0: 22, GGMLQuantizationType.Q5_1: 24}
+# K-quants (super-blocks of 256 weights) go to KQuantLinear as the file's bytes, repacked there (quant/kquant.py).
+K_BLOCK_BYTES = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, GGMLQuantizationType.Q6_K: 210}
 
 
 def block_tensors(t, heads: int | None = None) -> dict[str, torch.Tensor]:
-    """A Q8_0 tensor (N, K) -> {"qweight" (N, K) int8, "scales" (N, K/32) fp16}; Q4_0/Q4_1 -> {"blocks" (N, K/32, 16)
-    uint8, the block's nibble bytes as they are, "scales", "mins" (N, K/32) fp16}: what the quant modules'
-    from_tensors take (fastdecode.quant), with no value rounded on the way. `heads` (permuted_heads) undoes llama.cpp's q/k
-    row permutation: rows are whole blocks, so it moves bytes, not values."""
+    """A Q8_0 or Q5_0 tensor (N, K) -> {"qweight" (N, K) int8, "scales" (N, K/32) fp16} (Q5_1: uint8 q and "mins"
+    too); Q4_0/Q4_1 -> {"blocks" (N, K/32, 16) uint8, the block's nibble bytes as they are, "scales", "mins" (N, K/32)
+    fp16}; a K-quant -> {"blocks" (N, K/256, bytes) uint8}, its super-blocks as they are: what the quant modules'
+    from_tensors take (fastdecode.quant), with no value rounded on the way. `heads` (permuted_heads) undoes
+    llama.cpp's q/k row permutation: rows are whole blocks, so it moves bytes, not values."""
     N, K = t.shape
     if heads is not None:
         return {k: torch.from_numpy(unpermute_rows(v.numpy(), heads).copy()) for k, v in block_tensors(t).items()}
+    if t.type in K_BLOCK_BYTES:
+        return {"blocks": torch.from_numpy(np.array(t.data)).view(N, K // 256, K_BLOCK_BYTES[t.type])}
     raw = torch.from_numpy(np.array(t.data)).view(N, K // 32, BLOCK_BYTES[t.type])  # copy: the file is read-only
     half = lambda lo: raw[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0]  # noqa: E731  (N, K/32)
     if t.type == GGMLQuantizationType.Q8_0:
         return {"qweight": raw[..., 2:].contiguous().view(torch.int8).reshape(N, K), "scales": half(0)}
+    if t.type in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1):
+        high = raw[..., -20:-16].contiguous().view(torch.int32) >> torch.arange(32, dtype=torch.int32) & 1
+        qs = raw[..., -16:]
+        q = (torch.cat([qs & 15, qs >> 4], dim=-1) | high.to(torch.uint8) << 4).reshape(N, K)  # 0..31
+        if t.type == GGMLQuantizationType.Q5_0:
+            return {"qweight": (q.to(torch.int8) - 16), "scales": half(0)}
+        return {"qweight": q, "scales": half(0), "mins": half(2)}
     d = half(0)
     m = half(2) if t.type == GGMLQuantizationType.Q4_1 else -8 * d  # Q4_0: d*(q-8) = d*q + (-8d), exact in fp16
     return {"blocks": raw[..., -16:], "scales": d, "mins": m}  # a view: packing copies it once

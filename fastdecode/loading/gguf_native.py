@@ -1,11 +1,16 @@
 """GGUF file -> a model whose matrices keep the file's own formats, built one module at a time: no float copy of the
 model ever exists.
 
-- Q8_0 -> Int8Linear, Q4_0/Q4_1 -> Int4Linear (groups of 32), value for value (block_tensors).
-- Other quantized types (K-quants, Q5_x) and packed modules whose shards differ in type: that module alone is
-  dequantized and requantized to int8 (a second rounding, logged). F32/F16/BF16 matrices, norms and biases are float.
-- The token embedding reads its rows from kept blocks (QuantEmbedding, one module with a tied lm_head), else it is a
-  float table.
+- Q8_0 -> Int8Linear, Q4_0/Q4_1 -> Int4Linear (groups of 32), Q4_K/Q5_K/Q6_K -> KQuantLinear, value for value
+  (block_tensors). Q5_0/Q5_1 have no 5-bit kernel: their values go into Int8Linear, still exactly (d * (q - 16) is
+  int8 q with Q8_0's scale, d * q + m the asymmetric int8 block), at 8.5 bits a weight instead of 5.5.
+- Other quantized types (Q2_K/Q3_K) and packed modules whose shards need different layouts: that module alone is
+  dequantized and requantized to int8 (a second rounding, logged). A module holds one layout, so a packed qkv of
+  Q4_K q/k beside a Q6_K v (Q4_K_M files do this in about half their layers) is such a module; a lone v or down
+  projection in Q6_K is kept, and so is a qkv of Q5_0 q/k beside a Q8_0 v (both int8 blocks without offsets).
+  F32/F16/BF16 matrices, norms and biases are float.
+- The token embedding reads its rows from kept blocks (QuantEmbedding, one module with a tied lm_head; K-quants
+  included), else it is a float table.
 
 The model is built on the meta device and each module made real as its tensors are read; a tensor's pages leave the
 mapping once copied (GGUFFile.release), so memory holds the finished modules plus the one in flight. The LM head and
@@ -32,7 +37,9 @@ from fastdecode.quant.embedding import QuantEmbedding
 
 log = logging.getLogger(__name__)
 
-KEPT = {QType.Q8_0: "int8", QType.Q4_0: "int4", QType.Q4_1: "int4"}  # GGML type -> the scheme that holds it as is
+KEPT = {QType.Q8_0: "int8", QType.Q5_0: "int8", QType.Q5_1: "int8",  # GGML type -> the scheme that holds it as is
+        QType.Q4_0: "int4", QType.Q4_1: "int4", QType.Q4_K: "q4_k", QType.Q5_K: "q5_k", QType.Q6_K: "q6_k"}
+WITH_MINS = {QType.Q5_1}  # int8 blocks with an offset: a module cannot mix them with symmetric ones
 FLOAT_TYPES = {QType.F32, QType.F16, QType.BF16}
 SHARDS: dict[str, list[str]] = {}  # our packed module -> its Hugging Face shards, in packing order
 for _hf, (_ours, _) in sorted(PACKED_MODULES.items(), key=lambda item: item[1]):
@@ -127,13 +134,14 @@ class ModuleLoader:
         bias = None if bias is None else torch.cat([self.float_weight(f"{s}.bias") for s in sources])
         kinds = {t.type for t in shards}
         kind = kinds.pop() if len(kinds) == 1 else None
-        scheme = KEPT.get(kind)
+        layouts = {(KEPT.get(t.type), t.type in WITH_MINS) for t in shards}
+        scheme = layouts.pop()[0] if len(layouts) == 1 else None  # Q5_0 beside Q8_0 is one int8 layout
         if scheme and fits(scheme, N, K, 32):
             parts = [block_tensors(t, permuted_heads(f"{s}.weight", self.config)) for s, t in zip(sources, shards)]
             for t in shards:
                 self.f.release(t)
             blocks = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
-            self.kept[kind.name] += 1
+            self.kept["/".join(sorted({t.type.name for t in shards}))] += 1
             self.exact.add(name)
             return build_linear(blocks, scheme, bias, K, 32, self.backend)
         w = torch.cat([self.float_weight(f"{s}.weight") for s in sources]).to(self.dtype)

@@ -5,8 +5,9 @@ the model file never learns about it. Embedding lookups keep their float table, 
 
 Schemes: int8 and int4 run on native AVX2 kernels (or PyTorch's); mxfp4 and nvfp4 are dequantized at every forward
 (fp4.py). Every module is built from `encode_linear`'s tensors, the same ones a quantized checkpoint stores
-(checkpoint.py). A GGUF file's own Q8_0/Q4_0/Q4_1 blocks go into the int8/int4 modules while it loads
-(`load_model(path, quant="gguf")`, fastdecode.loading.gguf_native), without a float model in between.
+(checkpoint.py). A GGUF file's own Q8_0/Q4_0/Q4_1 blocks go into the int8/int4 modules, and its K-quants
+(Q4_K/Q5_K/Q6_K) into KQuantLinear (kquant.py), while it loads (`load_model(path, quant="gguf")`,
+fastdecode.loading.gguf_native), without a float model in between; the K-quant schemes are only read from files.
 """
 import logging
 
@@ -16,11 +17,12 @@ from torch import nn
 from fastdecode.quant.fp4 import BLOCK_SIZE, Fp4Linear
 from fastdecode.quant.int4 import Int4Linear
 from fastdecode.quant.int8 import Int8Linear
+from fastdecode.quant.kquant import KINDS as K_QUANTS, KQuantLinear
 from fastdecode.quant.linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fp4Linear", "Int4Linear", "Int8Linear", "encode_linear", "build_linear", "quantize_linear",
+__all__ = ["Fp4Linear", "Int4Linear", "Int8Linear", "KQuantLinear", "encode_linear", "build_linear", "quantize_linear",
            "quantize_model", "weight_bytes"]
 WEIGHT_SCHEMES = ("int8", "int4", "mxfp4", "nvfp4")  # computed from float weights
 
@@ -30,6 +32,8 @@ def fits(scheme: str, out_features: int, in_features: int, group_size: int) -> b
         return Int4Linear.fits(out_features, in_features, group_size)
     if scheme in BLOCK_SIZE:
         return in_features % BLOCK_SIZE[scheme] == 0
+    if scheme in K_QUANTS:
+        return KQuantLinear.fits(out_features, in_features)
     return True  # int8: the aten kernel takes any shape
 
 
@@ -50,6 +54,8 @@ def build_linear(tensors: dict, scheme: str, bias: torch.Tensor | None, in_featu
         return Int8Linear.from_tensors(tensors, bias, backend)
     if scheme == "int4":
         return Int4Linear.from_tensors(tensors, bias, group_size, backend, in_features)
+    if scheme in K_QUANTS:  # a forced int backend ("aten", "lut": not the native kernel) means dequantizing
+        return KQuantLinear(tensors["blocks"], scheme, bias, backend if backend in (None, "native") else "dequant")
     return Fp4Linear.from_tensors(tensors, scheme, bias)
 
 

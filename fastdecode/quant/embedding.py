@@ -1,6 +1,6 @@
 """A token embedding that reads its rows out of a quantized matrix instead of holding a float table.
 
-A GGUF file's embedding is blocks of Q8_0/Q4_0/Q4_1 like its other matrices; held as float32 it would be the
+A GGUF file's embedding is blocks (Q8_0, Q4_0, Q6_K, ...) like its other matrices; held as float32 it would be the
 largest thing in memory (Llama-3.1-8B: 2.1 GB against 0.3 GB of Q4_0). Where lm_head is tied to it, the two share
 one module; the rows come back as exactly the float values the blocks dequantize to.
 """

@@ -21,6 +21,8 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as QType
 
+from tests.helpers import kquants
+
 VOCAB_SIZE = 160
 # Added to every parameter after init: transformers initialises norms to ones (Gemma: zeros), which would hide
 # a norm that is skipped or applied as w instead of (1 + w).
@@ -78,6 +80,15 @@ SPECS = {
                            final_logit_softcapping=30.0, tie_word_embeddings=False), None),
 }
 GGUF_SPECS = [name for name, spec in SPECS.items() if spec.gguf_arch]
+# K-quants take rows of 256 weights: models wide enough for them (4 heads of 64), kept out of SPECS so that the
+# family tests do not grow.
+KQUANT_SPECS = {
+    "llama_k": Spec("LlamaForCausalLM", "LlamaConfig",
+                    dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64), "llama"),
+    "qwen2_k": Spec("Qwen2ForCausalLM", "Qwen2Config",
+                    dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64,
+                         tie_word_embeddings=True, rope_theta=1e6), "qwen2"),
+}
 GGUF_NAME_MAPS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
                   "gemma3": gguf.MODEL_ARCH.GEMMA3}
 
@@ -92,7 +103,7 @@ class Checkpoint:
 
 # ---- building ------------------------------------------------------------------------------------------------
 def build_model(name: str) -> transformers.PreTrainedModel:
-    spec = SPECS[name]
+    spec = SPECS[name] if name in SPECS else KQUANT_SPECS[name]
     config = getattr(transformers, spec.config_class)(**{**COMMON, **spec.config})
     torch.manual_seed(spec.seed)
     model = getattr(transformers, spec.model_class)(config).eval()
@@ -148,6 +159,18 @@ def quantized_checkpoint(name: str) -> Checkpoint:
     path = scratch_dir() / f"{name}-q8_0.gguf"
     write_gguf(model, path, SPECS[name].gguf_arch, tensor_type=quantized_type)
     return Checkpoint(f"{name}-q8_0", rounded_copy(model, SPECS[name].gguf_arch, quantized_type), gguf_path=path)
+
+
+def kquant_gguf(name: str, types: dict[str, QType]) -> Path:
+    """KQUANT_SPECS[name] as a GGUF whose matrices are stored as `types` says by GGUF tensor kind ("attn_v",
+    "token_embd", ...; Q4_K where unnamed), norms F32; written once per session."""
+    key = "-".join(f"{k}.{v.name}" for k, v in sorted(types.items()))
+    path = scratch_dir() / f"{name}-{key or 'all-Q4_K'}.gguf"
+    if not path.exists():
+        spec = KQUANT_SPECS[name]
+        write_gguf(build_model(name), path, spec.gguf_arch,
+                   tensor_type=lambda n, ndim: QType.F32 if ndim == 1 else types.get(n.split(".")[-2], QType.Q4_K))
+    return path
 
 
 def rounded_copy(model, arch: str, tensor_type) -> transformers.PreTrainedModel:
@@ -215,6 +238,8 @@ def add_tokenizer(w: gguf.GGUFWriter, vocab_size: int):
 
 
 def encode(data: np.ndarray, qtype: QType) -> np.ndarray:
+    if qtype in kquants.QUANTIZERS:  # gguf reads K-quants but cannot write them
+        return kquants.quantize(data, qtype)
     try:
         return gguf.quants.quantize(data, qtype)
     except NotImplementedError:  # types gguf cannot produce (e.g. IQ4_NL): zero blocks, enough to test a refusal

@@ -1,6 +1,7 @@
 """The C++ decode step against the PyTorch forward, on every tiny family checkpoint."""
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 
 from fastdecode.config import ModelConfig
 from fastdecode.engine.generate import decode_one_token, prefill
@@ -8,9 +9,9 @@ from fastdecode.kernels import native_ops
 from fastdecode.kernels.decoder import NativeDecoder, native_decoder
 from fastdecode.loading import load_model
 from fastdecode.models.transformer import Transformer
-from fastdecode.quant import quantize_model
+from fastdecode.quant import KQuantLinear, quantize_model
 from fastdecode.speculative.draft import Draft
-from tests.helpers.checkpoints import SPECS, VOCAB_SIZE, checkpoint, prompt_tokens
+from tests.helpers.checkpoints import SPECS, VOCAB_SIZE, checkpoint, kquant_gguf, prompt_tokens
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable on this machine")
 PROMPT = prompt_tokens(20)
@@ -72,6 +73,54 @@ def test_verify_step_reproduces_decode_steps_bit_for_bit(heads, head_dim, tree, 
     model.setup_cache(128)
     decoder = native_decoder(model)
     prompt, path = prompt_tokens(prompt_len), [5, 9, 2, 7]
+    prefill(model, prompt)
+    steps = torch.stack([decoder(torch.tensor([[t]]), len(prompt) + i) for i, t in enumerate(path)])
+    tokens, parents = (path, [-1, 0, 1, 2]) if not tree else ([5, 11, 9, 2, 3, 7], [-1, 0, 0, 2, 2, 3])
+    keep = [0, 2, 3, 5] if tree else [0, 1, 2, 3]
+    draft = Draft(tokens[1:], [p - 1 for p in parents[1:]], [1.0] * (len(tokens) - 1))
+    ids, positions, mask = draft.tree_inputs(tokens[0], len(prompt))
+    hidden = decoder.hidden(torch.tensor(ids), positions, len(prompt), mask)
+    assert torch.equal(model.head(hidden)[keep], steps)
+
+
+# A GGUF of K-quants as a Q4_K_M file mixes them (see tests/loading/test_gguf_native.py): Q4_K, Q5_K, Q6_K matrices
+# run on kq_linear inside the C++ step.
+K_TYPES = {"attn_v": QType.Q6_K, "attn_output": QType.Q5_K, "ffn_down": QType.Q6_K, "output": QType.Q6_K}
+
+
+def test_native_decode_of_k_quants_equals_their_pytorch_forward():
+    model = load_model(kquant_gguf("llama_k", K_TYPES), quant="gguf")
+    assert isinstance(model.layers[0].mlp.down_proj, KQuantLinear)
+    model.setup_cache(64)
+    decoder = native_decoder(model)
+    assert decoder is not None  # every K-quant module is one the step runs
+    ours = run(model, decoder)
+    reference = run(model, lambda t, p: decode_one_token(model, t, p))
+    assert (ours - reference).abs().max().item() <= 1e-4
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def test_native_decode_of_k_quants_stays_near_the_dequantized_float_model():
+    path = kquant_gguf("llama_k", {**K_TYPES, "attn_v": QType.Q4_K})  # nothing requantized: q/k/v all Q4_K
+    model, float_model = load_model(path, quant="gguf"), load_model(path)
+    model.setup_cache(64)
+    float_model.setup_cache(64)
+    ours = run(model, native_decoder(model))
+    # Teacher-forced on our tokens, so that one flipped token does not change every later step's context.
+    tokens = [prefill(model, PROMPT).argmax()] + [step.argmax() for step in ours[:-1]]
+    prefill(float_model, PROMPT)
+    reference = torch.stack([decode_one_token(float_model, t.view(1, 1), len(PROMPT) + i)
+                             for i, t in enumerate(tokens)])
+    assert (ours - reference).norm() / reference.norm() < 0.05
+    assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_verify_step_of_k_quants_reproduces_decode_steps_bit_for_bit(tree):
+    model = load_model(kquant_gguf("llama_k", K_TYPES), quant="gguf")
+    model.setup_cache(128)
+    decoder = native_decoder(model)
+    prompt, path = prompt_tokens(20), [5, 9, 2, 7]
     prefill(model, prompt)
     steps = torch.stack([decoder(torch.tensor([[t]]), len(prompt) + i) for i, t in enumerate(path)])
     tokens, parents = (path, [-1, 0, 1, 2]) if not tree else ([5, 11, 9, 2, 3, 7], [-1, 0, 0, 2, 2, 3])

@@ -1,6 +1,6 @@
-"""A GGUF loaded in its own formats (gguf_native): Q8_0/Q4_0/Q4_1 blocks go into Int8Linear/Int4Linear without a
-value changing, other types fall back to int8 with a warning, the embedding reads the kept blocks, and no float
-model is built on the way."""
+"""A GGUF loaded in its own formats (gguf_native): Q8_0/Q4_0/Q4_1 blocks go into Int8Linear/Int4Linear and
+Q4_K/Q5_K/Q6_K into KQuantLinear without a value changing, other types fall back to int8 with a warning, the
+embedding reads the kept blocks, and no float model is built on the way."""
 import logging
 
 import numpy as np
@@ -15,11 +15,11 @@ from fastdecode.loading import load_model, resolve_quant
 from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_loader import block_tensors
 from fastdecode.loading.gguf_native import load_gguf_native
-from fastdecode.quant import Int4Linear, Int8Linear, quantize_model
+from fastdecode.quant import Int4Linear, Int8Linear, KQuantLinear, quantize_model
 from fastdecode.quant.embedding import QuantEmbedding
 from fastdecode.quant.int4 import dequantize_groupwise, from_blocks
 from fastdecode.quant.int8 import dequantize_blockwise
-from tests.helpers.checkpoints import build_model, checkpoint, scratch_dir, write_gguf
+from tests.helpers.checkpoints import build_model, checkpoint, kquant_gguf, scratch_dir, write_gguf
 from tests.helpers.tiny import logits
 
 # A file with one of each case: q/k/v Q4_0, o Q4_1, down Q8_0, gate Q4_1 beside up Q5_0 (mixed: no one kernel).
@@ -179,3 +179,77 @@ def test_missing_tensor_raises_model_file_error(tmp_path):
     write_gguf(build_model("llama"), path, "llama", tensor_type=tensor_type, skip=("blk.1.ffn_gate.weight",))
     with pytest.raises(ModelFileError, match="lacks"):
         load_model(path, quant="gguf")
+
+
+# K-quants (rows of 256: the wider KQUANT_SPECS models). As a Q4_K_M file has them: mostly Q4_K, a Q6_K v beside Q4_K
+# q/k (a packed qkv of two types), Q6_K down and output; Q5_K o and a Q4_K embedding for the other two kernels.
+K_TYPES = {"attn_v": QType.Q6_K, "attn_output": QType.Q5_K, "ffn_down": QType.Q6_K, "output": QType.Q6_K}
+
+
+def test_k_quant_blocks_become_kquant_modules_and_a_mixed_qkv_falls_back_to_int8(caplog):
+    path = kquant_gguf("llama_k", K_TYPES)
+    with caplog.at_level(logging.WARNING):
+        kept = load_gguf_native(path, backend="aten")  # K-quants dequantize: the file's weights, exactly
+    block = kept.layers[0]
+    kinds = {name: m.kind for name, m in kept.named_modules() if isinstance(m, KQuantLinear)}
+    assert kinds["layers.0.self_attn.o_proj"] == "q5_k" and kinds["layers.0.mlp.gate_up_proj"] == "q4_k"
+    assert kinds["layers.0.mlp.down_proj"] == "q6_k" and kinds["lm_head"] == "q6_k"
+    assert isinstance(block.self_attn.qkv_proj, Int8Linear)  # Q4_K q/k + Q6_K v: one module holds one format ...
+    assert "Q4_K/Q6_K" in caplog.text and "requantized to int8" in caplog.text  # ... and the log says so
+    model = load_model(path)  # the float model: gguf's dequantization
+    for name in ("layers.0.self_attn.o_proj", "layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj", "lm_head"):
+        w = model.get_submodule(name).weight
+        assert torch.equal(kept.get_submodule(name)(torch.eye(w.shape[1])).T, w), name
+    table = kept.embed_tokens
+    assert isinstance(table, QuantEmbedding) and table.table.kind == "q4_k"  # untied: the embedding's own blocks
+    assert torch.equal(table(torch.arange(160)), model.embed_tokens.weight)
+
+
+def test_packed_modules_of_one_k_quant_are_kept_whole():
+    kept = load_gguf_native(kquant_gguf("llama_k", {}))  # every matrix Q4_K
+    assert all(isinstance(m, KQuantLinear) for m in (kept.layers[1].self_attn.qkv_proj,
+                                                     kept.layers[1].mlp.gate_up_proj))
+    assert not any(type(m) is nn.Linear or isinstance(m, Int8Linear) for m in kept.modules())
+
+
+def test_tied_k_quant_embedding_shares_the_lm_head_and_reads_the_files_rows():
+    path = kquant_gguf("qwen2_k", {"token_embd": QType.Q6_K})
+    kept = load_gguf_native(path)
+    assert kept.embed_tokens.table is kept.lm_head and kept.lm_head.kind == "q6_k"
+    assert torch.equal(kept.embed_tokens(torch.arange(160)), load_model(path).embed_tokens.weight)
+
+
+@pytest.mark.parametrize("name,types", [("llama_k", K_TYPES), ("qwen2_k", {"token_embd": QType.Q6_K})])
+def test_k_quant_model_logits_agree_with_the_dequantized_model(name, types):
+    # Native kernels round activations to int8 per block of 32 (and the mixed qkv is requantized): near, not equal.
+    path = kquant_gguf(name, types)
+    ref, out = logits(load_model(path), TOKENS), logits(load_model(path, quant="gguf"), TOKENS)
+    assert (out - ref).norm() / ref.norm() < 0.05
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("qtype", [QType.Q5_0, QType.Q5_1])
+def test_q5_blocks_go_into_int8_value_for_value(qtype):
+    # No 5-bit kernel, but d * (q - 16) and d * q + m are int8 blocks exactly: no second rounding.
+    path = uniform_gguf(qtype)
+    kept = load_gguf_native(path)
+    assert not any(type(m) is nn.Linear for m in kept.modules())
+    t = GGUFFile(path).tensors["blk.0.ffn_down.weight"]
+    expected = torch.from_numpy(dequantize(np.asarray(t.data), t.type).reshape(t.shape).copy())
+    b = block_tensors(t)
+    mins = b["mins"].float() if "mins" in b else None
+    assert torch.equal(dequantize_blockwise(b["qweight"], b["scales"].float(), mins), expected)
+    down = kept.layers[0].mlp.down_proj
+    assert isinstance(down, Int8Linear) and torch.equal(down.rows(torch.arange(down.out_features)), expected)
+
+
+def test_a_qkv_of_q5_0_beside_q8_0_is_one_exact_int8_module(caplog):
+    # gemma3-270m's layout: q/k Q5_0, v Q8_0.
+    path = scratch_dir() / "llama-q5_0-q8_0.gguf"
+    write_gguf(build_model("llama"), path, "llama", tensor_type=lambda n, ndim: QType.F32 if ndim == 1 else
+               QType.Q8_0 if ".attn_v." in n else QType.Q5_0)
+    with caplog.at_level(logging.WARNING):
+        kept = load_gguf_native(path)
+    assert "requantized" not in caplog.text
+    qkv, w = kept.layers[1].self_attn.qkv_proj, load_model(path).layers[1].self_attn.qkv_proj.weight
+    assert isinstance(qkv, Int8Linear) and torch.equal(qkv.rows(torch.arange(w.shape[0])), w)

@@ -1,0 +1,87 @@
+// Activation quantization and the u4 x int8 pair dot product shared by the int4 (quant.cpp) and K-quant
+// (kquant.cpp) kernels: each activation row is quantized to int8 per block of 32 (d = amax / 127), so that weight
+// times activation sums are exact integers and only the per-block scaling is float.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "simd.h"
+
+namespace fastdecode {
+
+// 32 floats -> their int8 values in element order (round to nearest even of x / d, d = amax / 127); d, and
+// sx = d * sum(q), the factor a weight block's min or offset multiplies.
+inline __m256i quantize_block(const float* x, float& d, float& sx) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  d = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))) / 127.0f;
+  const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  __m256i q[4];
+  for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // round to nearest even
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  sx = d * hsum(_mm256_cvtepi32_ps(sum));
+  // packs interleave 128-bit lanes; the permute restores element order.
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// x (rows, K) float, K a multiple of 64 -> xq (rows, K) int8 quantized per block of 32, and per pair of blocks
+// (b, b+1) 16 floats xs: (d_b x4, d_b+1 x4) to scale the pair's dot products, then (s_b, s_b+1) x4 with
+// s = d * sum(q), the weight mins' factor. xq is stored in the order pair_dot reads it: per pair of blocks, elements
+// 0..15 of b, of b+1, then elements 16..31 of b, of b+1 (the halves that a weight byte's two nibbles meet).
+inline void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* xs) {
+  for (int64_t i = 0; i < blocks; ++i, x += 32) {
+    float d, sx;
+    const __m256i p = quantize_block(x, d, sx);
+    const int64_t pair = i / 2, half = i % 2;
+    int8_t* out = xq + 64 * pair + 16 * half;
+    _mm_storeu_si128((__m128i*)out, _mm256_castsi256_si128(p));
+    _mm_storeu_si128((__m128i*)(out + 32), _mm256_extracti128_si256(p, 1));
+    float* s = xs + 16 * pair;
+    for (int j = 0; j < 4; ++j) {
+      s[4 * half + j] = d;
+      s[8 + 2 * j + half] = sx;
+    }
+  }
+}
+
+// The same values in element order: xq (rows, K) int8, xd (rows, K / 32) the blocks' d (no sums: the formats that
+// read this layout have no per-block min).
+inline void quantize_rows_plain(const float* x, int64_t blocks, int8_t* xq, float* xd) {
+  for (int64_t i = 0; i < blocks; ++i, x += 32) {
+    float sx;
+    _mm256_storeu_si256((__m256i*)(xq + 32 * i), quantize_block(x, xd[i], sx));
+  }
+}
+
+// Row r's (block b, block b+1) scales out of a pair's 8 (row, block) lanes: b's into lanes 0-3, b+1's into 4-7, as
+// the pair's dot products come out of vpmaddwd.
+inline __m256i row_scales(int r) {
+  return _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1);
+}
+
+// A pair of blocks' weights as two registers of unsigned values (lo: elements 0..15 of b, of b+1; hi: elements
+// 16..31 of b, of b+1) times one activation row's 64 int8 as quantize_rows lays them out -> the 8 int32 partial dot
+// products: lanes 0-3 block b, 4-7 block b+1. Values up to 5 bits: u5 * i8 pair sums (<= 2 * 31 * 127) of both
+// halves still fit int16, so they add before widening.
+inline __m256i pair_dot(__m256i lo, __m256i hi, const int8_t* x) {
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x)),
+                                            _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)))),
+                           _mm256_set1_epi16(1));
+}
+
+// One weight row's 32 bytes of a pair of 4-bit blocks (byte j of a block: q[j] | q[j + 16] << 4) times x.
+inline __m256i pair_dot(const uint8_t* wq, const int8_t* x) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i q = _mm256_loadu_si256((const __m256i*)wq);
+  return pair_dot(_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4), x);
+}
+
+}  // namespace fastdecode
