@@ -26,7 +26,8 @@ MODELS = ["llama", "qwen2", "gemma3", "mistral", *UNEVEN]
 
 PROMPT = prompt_tokens(24)  # longer than every sliding window
 STEPS = 20
-# auto: suffix trees and n-gram chains, after a cost measurement at start (so only on some models); layerskip:
-# shallow hidden + head passes; oracle: tree drafts whose accepted paths move cache entries (see workers.oracle_speculator).
+# auto: suffix trees and n-gram chains; layerskip: shallow hidden + head passes (both drafting at every step, the
+# adaptive policy off: see workers.tiny_models); oracle: tree drafts whose accepted paths move cache entries (see
+# workers.oracle_speculator).
 SPECULATIONS = {name: ["none"] for name in MODELS} | {"qwen2": ["none", "auto"], "llama_uneven": ["none", "oracle"],
                                                      "gemma3_uneven": ["none", "layerskip", "oracle"]}

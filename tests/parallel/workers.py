@@ -49,6 +49,10 @@ def tiny_models(rank: int, world: int, cases: list[tuple], prompt: list[int], st
             if llm.leads:
                 if spec == "oracle":
                     llm.speculator = oracle_speculator(llm, prompt + truth)
+                elif llm.speculator is not None:
+                    # Draft at every step: the adaptive policy weighs measured step times, so whether it drafts in a
+                    # 16-token run would depend on how busy the machine is (test_speculation_under_tp_... flaked).
+                    llm.speculator.policy.adaptive = False
                 c = llm.generate(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
                 llm.close()
                 out[name][spec] = (c.token_ids, c.speculation)
