@@ -92,7 +92,7 @@ def main():
     m = report["machine"]
     md = (f"# Decode steps by batch size ({a.model}, {llm.decode_path}, KV {a.kv_dtype}, {a.threads} threads)\n\n"
           + markdown_table(headers, cells)
-          + f"\n\n- `{report['command']}` at {report['commit']}; {m['cpu']}, load average {m['load_avg_1m_at_start']}"
+          + f"\n\n- `{report['command']}` at {report['commit']}; {m['cpu']}, load average {m['load_avg_1m_at_start']:.1f}"
             f" at start.\n- Each sequence: a {len(ids)}-token prompt, then decode only; median of {a.repeats} "
             f"repeats of {a.steps} steps.\n")
     (a.out / "batch_scaling.md").write_text(md)
