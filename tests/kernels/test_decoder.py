@@ -69,10 +69,15 @@ def test_verify_step_reproduces_decode_steps_bit_for_bit(heads, head_dim, tree, 
     config = ModelConfig(family="llama", vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim, sliding_window=window,
                          layer_types=["sliding_attention", "full_attention"] if window else [])
-    model = quantize_model(Transformer(config).eval(), "int4")
+    assert_verify_reproduces_decode(quantize_model(Transformer(config).eval(), "int4"), prompt_tokens(prompt_len), tree)
+
+
+def assert_verify_reproduces_decode(model, prompt: list[int], tree: bool):
+    """Four decode steps after `prompt`, then the same path verified in one step (as a chain, or inside a tree with
+    rejected siblings): the kept rows' logits equal the steps' bit for bit."""
     model.setup_cache(128)
     decoder = native_decoder(model)
-    prompt, path = prompt_tokens(prompt_len), [5, 9, 2, 7]
+    path = [5, 9, 2, 7]
     prefill(model, prompt)
     steps = torch.stack([decoder(torch.tensor([[t]]), len(prompt) + i) for i, t in enumerate(path)])
     tokens, parents = (path, [-1, 0, 1, 2]) if not tree else ([5, 11, 9, 2, 3, 7], [-1, 0, 0, 2, 2, 3])
@@ -117,15 +122,4 @@ def test_native_decode_of_k_quants_stays_near_the_dequantized_float_model():
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_verify_step_of_k_quants_reproduces_decode_steps_bit_for_bit(tree):
-    model = load_model(kquant_gguf("llama_k", K_TYPES), quant="gguf")
-    model.setup_cache(128)
-    decoder = native_decoder(model)
-    prompt, path = prompt_tokens(20), [5, 9, 2, 7]
-    prefill(model, prompt)
-    steps = torch.stack([decoder(torch.tensor([[t]]), len(prompt) + i) for i, t in enumerate(path)])
-    tokens, parents = (path, [-1, 0, 1, 2]) if not tree else ([5, 11, 9, 2, 3, 7], [-1, 0, 0, 2, 2, 3])
-    keep = [0, 2, 3, 5] if tree else [0, 1, 2, 3]
-    draft = Draft(tokens[1:], [p - 1 for p in parents[1:]], [1.0] * (len(tokens) - 1))
-    ids, positions, mask = draft.tree_inputs(tokens[0], len(prompt))
-    hidden = decoder.hidden(torch.tensor(ids), positions, len(prompt), mask)
-    assert torch.equal(model.head(hidden)[keep], steps)
+    assert_verify_reproduces_decode(load_model(kquant_gguf("llama_k", K_TYPES), quant="gguf"), prompt_tokens(20), tree)
