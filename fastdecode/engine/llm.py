@@ -165,8 +165,8 @@ class LLM:
                 f"of {self.max_seq_len} tokens")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
         if self.engine is None:
-            return self._chunks(self._single_request(prompt_ids, params, logits_processor, stop_ids), prompt_ids,
-                                params, stop_ids)
+            tokens = self._single_request(prompt_ids, params, logits_processor, stop_ids, tenant)
+            return self._chunks(tokens, prompt_ids, params, stop_ids)
         seq = self.engine.add_request(prompt_ids, params, logits_processor, stop_ids, salt, tenant)
         return self._chunks(self._engine_tokens(seq), prompt_ids, params, stop_ids)
 
@@ -186,14 +186,14 @@ class LLM:
             if not seq.finished:
                 self.engine.abort(seq)
 
-    def _single_request(self, prompt_ids, params, logits_processor, stop_ids):
+    def _single_request(self, prompt_ids, params, logits_processor, stop_ids, tenant):
         """The single-request loop over the model's static cache (tensor parallelism, model drafters)."""
         timings, stats = Timings(), None
         with self.lock:
             sampler = Sampler(params, self.config.vocab_size, prompt_ids, logits_processor)
             if self.speculator is not None and params.max_tokens > 1:
                 tokens, stats = self.speculator.generate_tokens(prompt_ids, sampler, params.max_tokens, stop_ids,
-                                                                timings)
+                                                                timings, tenant)
             else:
                 tokens = generate_tokens(self.model, prompt_ids, sampler, params.max_tokens, stop_ids, timings,
                                          self.decoder)

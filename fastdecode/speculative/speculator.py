@@ -16,7 +16,7 @@ from fastdecode.speculative.eagle.features import forward_taps, prefill_taps
 from fastdecode.speculative.model_drafters import DraftModelDrafter, LayerSkipDrafter, forward_logits
 from fastdecode.speculative.ngram import NgramDrafter
 from fastdecode.speculative.policy import CostModel, Policy
-from fastdecode.speculative.suffix import SuffixDrafter
+from fastdecode.speculative.suffix import SuffixDrafter, SuffixMemory
 from fastdecode.speculative.verify import verify
 
 
@@ -89,6 +89,7 @@ class Speculator:
         self.policy = Policy(cost or self.measure_cost(), max_nodes, adaptive)
         self.gates = {d.name: ModelGate() for d in drafters if not d.model_free}
         self.model_draft_s = 0.0  # what the model drafter spent on this step's draft
+        self.memories: dict[str, SuffixMemory] = {}  # earlier requests, per tenant (as BatchSpeculator keeps them)
 
     @classmethod
     def build(cls, spec: str, llm, log=lambda *a: None) -> "Speculator":
@@ -145,9 +146,24 @@ class Speculator:
 
     # ---- one request ---------------------------------------------------------------------------------------------
     def generate_tokens(self, prompt_ids: list[int], sampler: Sampler, max_tokens: int, stop_ids: set[int],
-                        timings: Timings) -> tuple[Iterator[int], SpeculationStats]:
+                        timings: Timings, tenant: str | None = "") -> tuple[Iterator[int], SpeculationStats]:
+        """`tenant`: whose earlier requests the suffix drafter may draw on (None: none, not even this one later)."""
         stats = SpeculationStats(self.name)
+        self.use_memory(tenant)
         return self._run(prompt_ids, sampler, max_tokens, stop_ids, timings, stats), stats
+
+    def use_memory(self, tenant: str | None):
+        """Points the suffix drafters at the tenant's memory of earlier requests: a drafter that drew on another
+        user's text would reveal it through what it drafts (speed, acceptance counts)."""
+        for d in self.drafters:
+            if not isinstance(d, SuffixDrafter):
+                continue
+            if tenant is None:
+                d.memory = SuffixMemory(d.depth, d.memory.max_tokens)
+            else:
+                if tenant not in self.memories:
+                    self.memories[tenant] = SuffixMemory(d.depth, d.memory.max_tokens)
+                d.memory = self.memories[tenant]
 
     def _run(self, prompt_ids, sampler, max_tokens, stop_ids, timings, stats) -> Iterator[int]:
         t0 = time.perf_counter()
