@@ -104,6 +104,5 @@ class Attention(nn.Module):
                 mask &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.window
             out[:, r0:r1] = F.scaled_dot_product_attention(
                 q[:, r0:r1], k_cache[:, slots].to(q.dtype), v_cache[:, slots].to(q.dtype), attn_mask=mask,
-                scale=self.scale,
-                enable_gqa=self.num_kv_heads != self.num_heads)
+                scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(0, 1).reshape(R, -1))
