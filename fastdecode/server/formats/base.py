@@ -24,7 +24,7 @@ def loads_object(arguments):
     if isinstance(arguments, str):
         try:
             value = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack
             return arguments
         return value if isinstance(value, dict) else arguments
     return arguments

@@ -51,7 +51,7 @@ class HermesParser(ToolParser):
         if block.startswith(OPEN):
             try:
                 call = call_from_json(json.loads(block[len(OPEN):-len(CLOSE)]), self.tools)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack
                 return None
             return [call] if call else None
         match = FUNCTION_TAG.fullmatch(block)
@@ -65,7 +65,7 @@ def parse_bare(text: str, names) -> list[dict] | None:
     """A reply that is only a call object or a list of them."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack
         return None
     values = value if isinstance(value, list) else [value]
     calls = [call_from_json(v, names) for v in values]

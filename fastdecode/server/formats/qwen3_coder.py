@@ -103,7 +103,7 @@ def typed(value: str, schema: dict | None):
     if kind in ("object", "array"):
         try:
             return json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack
             pass
         try:  # a Python literal ({'a': 1}), as models sometimes write
             parsed = ast.literal_eval(text)

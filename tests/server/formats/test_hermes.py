@@ -46,3 +46,12 @@ def test_other_call_forms(text, expected):
 ])
 def test_text_that_is_not_a_call_is_content_unchanged(text):
     assert run_every_split(parser, text) == [("content", text)]
+
+
+@pytest.mark.parametrize("text", ["<tool_call>" + "[" * 100_000 + "</tool_call>", "[" * 100_000])
+def test_json_nested_past_the_stack_is_text_not_an_error(text):
+    """A reply can nest brackets deeper than the JSON decoder's recursion (a request can force one with logit_bias):
+    it is content, never a failed request."""
+    p = parser()
+    events = p.feed(text) + p.finish()
+    assert [k for k, _ in events] == ["content"] * len(events) and "".join(v for _, v in events) == text
