@@ -31,12 +31,15 @@ def main():
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-dtype", default="float16")
+    p.add_argument("--context", type=int, default=0,
+                   help="each prompt cut or extended to this many tokens (0: the 585-token prompt of bench/decode.py)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args()
 
     from fastdecode import LLM, SamplingParams
 
-    _, ids, _ = prompt_ids(a.model)
+    _, ids, _ = prompt_ids(a.model, a.context)
+    ids = ids[: a.context or None]
     llm = LLM(a.model, threads=a.threads, kv_dtype=a.kv_dtype, prefix_cache=False)
     engine = llm.engine
     engine.background = False  # this script drives the steps itself, in the thread that owns the OpenMP team

@@ -335,16 +335,22 @@ def local_bandwidth(threads, size_bytes, large_bytes=1 << 30, repeats=9):
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
-def prompt_ids(model: str):
+def prompt_ids(model: str, context: int = 0):
     """(tokenizer, prompt ids) from our chat template and tokenizer, and whether transformers' own template and
-    tokenizer give the same ids (None where it cannot tell)."""
+    tokenizer give the same ids (None where it cannot tell). `context`: earlier versions of the module go before the
+    request until the prompt has at least that many tokens (decode speed at an agent's context length)."""
     from fastdecode.loading import load_tokenizer
     from fastdecode.loading.catalog import resolve
 
     path = resolve(model)
     tok = load_tokenizer(path)
-    messages = [{"role": "user", "content": PROMPT}]
-    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+    content = PROMPT
+    while True:
+        messages = [{"role": "user", "content": content}]
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+        if len(ids) >= context:
+            break
+        content = f"An earlier version of the module:\n\n```python\n{CODE}```\n\n{content}"
     try:
         from transformers import AutoTokenizer
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -365,6 +371,8 @@ def main(argv=None):
     p.add_argument("--peers", default=",".join(PEERS), help="peer engines, or '' for none")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 run of 32 tokens, written as decode-quick.*")
+    p.add_argument("--context", type=int, default=0, help="make the prompt at least this many tokens long (earlier "
+                                                              "versions of the module before the request)")
     p.add_argument("--baseline", metavar="REV", help="also time fastdecode as of this git revision (e.g. HEAD~1) in "
                                                       "every format, interleaved with this tree's runs")
     args = p.parse_args(argv)
@@ -392,8 +400,8 @@ def main(argv=None):
 
     console = Console(width=None if sys.stdout.isatty() else 160)  # a log file gets the whole table
     host = machine()  # now: the load average at the start says how busy the machine was
-    tok, ids, same_ids = prompt_ids(args.model)
-    max_seq_len = 4096
+    tok, ids, same_ids = prompt_ids(args.model, args.context)
+    max_seq_len = max(4096, len(ids) + args.tokens + 64)
     rows = {spec: {"engine": spec[0], "format": spec[1], "runs": []} for spec in specs}
     gguf = gguf_info(args.model)
     rows.get(("llama.cpp", "gguf"), {})["format"] = gguf["format"]

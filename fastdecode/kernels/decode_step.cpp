@@ -13,6 +13,7 @@
 
 #include "simd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -106,19 +107,33 @@ inline void store_kv(const float* x, int64_t n, uint16_t* out) {
   for (; i < n; ++i) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
-// Attention in tiles of keys: a work item is a few queries of one KV group (the heads of a group and the tokens of a
-// verify step read the same keys), and each tile of KEY_TILE keys and values is read by all of them while it sits in
-// L1, instead of once per query from L2. Every key's score is one FMA chain over hd and the same horizontal sum, and
-// every output element one FMA chain over the keys in order, whatever the tiling, the number of tokens in the call
-// or the queries that share an item, so a token's result is the same in a decode step and in a verify step.
-constexpr int64_t KEY_TILE = 32;  // 32 keys of 64 floats: 8 KB of keys and 8 KB of values
+// Attention in chunks of keys (as flash-decoding does). A query's visible keys, in position order, fall into chunks
+// of KEY_CHUNK positions aligned at multiples of KEY_CHUNK. A chunk gives a partial result: the scores' maximum m,
+// l = sum of e^(score - m) and o = sum of e^(score - m) * value; the partials fold left, in chunk order, into the
+// output o / l. The chunks of one query may be computed by different threads, so a decode step of one sequence
+// keeps every thread busy and each KV group's keys are read once. A query's arithmetic depends only on its own
+// visible keys (every key's score is one FMA chain and the same horizontal sum, every output element one FMA chain
+// over a chunk's keys in order, then the same fold), never on the number of tokens in the call, the queries that share
+// a work item or the threads, so a token's result is the same in a decode step, a verify step or a prefill chunk,
+// alone or in a batch.
+constexpr int64_t KEY_CHUNK = 128;  // 128 keys of 64 halves: 16 KB of keys, 16 KB of values, read from L1/L2
+
+// The lane sums of 4 vectors, (sum a0, ..., sum a3), each added as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)).
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// One vector's lane sum in the order of hsum4's.
+inline float hsum1(__m256 a) { return _mm_cvtss_f32(hsum4(a, a, a, a)); }
 
 // p[r][i] = (q[r] . key i) * scale for NQ queries and n keys, key i at k + slot(i) * hd (hd % 8 == 0). Two queries
-// over four keys are eight independent FMA chains, enough to keep both FMA units busy through their latency; one
-// query takes four keys at a time (eight streams of keys were slower where the keys come from memory).
+// over four keys are eight independent FMA chains, enough to keep both FMA units busy through their latency, and the
+// four keys' sums come out of one transposing reduction.
 template <int NQ, typename KV, typename Slot>
 void scores(const float* const* q, const KV* k, Slot slot, int64_t n, int64_t hd, float scale, float* const* p) {
   constexpr int NK = 4;
+  const __m128 vscale = _mm_set1_ps(scale);
   int64_t i = 0;
   for (; i + NK <= n; i += NK) {
     const KV* key[NK];
@@ -134,59 +149,68 @@ void scores(const float* const* q, const KV* k, Slot slot, int64_t n, int64_t hd
         for (int r = 0; r < NQ; ++r) a[r][b] = _mm256_fmadd_ps(qd[r], kd, a[r][b]);
       }
     }
-    for (int r = 0; r < NQ; ++r)
-      for (int b = 0; b < NK; ++b) p[r][i + b] = hsum(a[r][b]) * scale;
+    for (int r = 0; r < NQ; ++r) _mm_storeu_ps(p[r] + i, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), vscale));
   }
   for (; i < n; ++i) {
     const KV* ki = k + slot(i) * hd;
     for (int r = 0; r < NQ; ++r) {
       __m256 a = _mm256_setzero_ps();
       for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), load8(ki + d), a);
-      p[r][i] = hsum(a) * scale;
+      p[r][i] = hsum1(a) * scale;
     }
   }
 }
 
-// p[0..n) <- e^(p - max p), in place (p has room for a whole last vector; lanes past n become 0) -> 1 / their sum.
-float softmax_weights(float* p, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
-  const __m256 vmx = _mm256_set1_ps(mx);
+// p[0..n) <- e^(p - m), in place, with m = max p (p has room for a whole last vector; lanes past n become 0); l <- their
+// sum.
+void softmax_part(float* p, int64_t n, float& m, float& l) {
+  m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, p[j]);
+  const __m256 vm = _mm256_set1_ps(m);
   __m256 vsum = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; j += 8) {
     const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
-    const __m256 e = _mm256_and_ps(live, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmx)));
+    const __m256 e = _mm256_and_ps(live, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), vm)));
     _mm256_storeu_ps(p + j, e);
     vsum = _mm256_add_ps(vsum, e);
   }
-  return 1.f / hsum(vsum);
+  l = hsum(vsum);
 }
 
-// out (hd) += sum over i of p[i] * value i (at v + slot(i) * hd), each element's chain continuing in i order.
-template <int NV, typename KV, typename Slot>  // NV 8-float vectors of out in registers at a time (hd % (8 NV) == 0)
-void accumulate(const float* p, const KV* v, Slot slot, int64_t n, int64_t hd, float* out) {
+// out[r] (hd) += sum over i of p[r][i] * value i (at v + slot(i) * hd) for NQ queries, each element's chain continuing
+// in i order; each value vector is read once for all NQ queries. NV 8-float vectors of each out in registers at a time
+// (hd % (8 NV) == 0).
+template <int NQ, int NV, typename KV, typename Slot>
+void accumulate(const float* const* p, const KV* v, Slot slot, int64_t n, int64_t hd, float* const* out) {
   for (int64_t d0 = 0; d0 < hd; d0 += 8 * NV) {
-    __m256 acc[NV];
-    for (int c = 0; c < NV; ++c) acc[c] = _mm256_loadu_ps(out + d0 + 8 * c);
+    __m256 acc[NQ][NV];
+    for (int r = 0; r < NQ; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_loadu_ps(out[r] + d0 + 8 * c);
     for (int64_t i = 0; i < n; ++i) {
-      const __m256 pi = _mm256_set1_ps(p[i]);
+      __m256 pi[NQ];
+      for (int r = 0; r < NQ; ++r) pi[r] = _mm256_set1_ps(p[r][i]);
       const KV* vi = v + slot(i) * hd + d0;
-      for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pi, load8(vi + 8 * c), acc[c]);
+      for (int c = 0; c < NV; ++c) {
+        const __m256 vc = load8(vi + 8 * c);
+        for (int r = 0; r < NQ; ++r) acc[r][c] = _mm256_fmadd_ps(pi[r], vc, acc[r][c]);
+      }
     }
-    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);
+    for (int r = 0; r < NQ; ++r)
+      for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out[r] + d0 + 8 * c, acc[r][c]);
   }
 }
 
 // Which keys a query sees, in position order: the logical cache positions [first, last) of its sequence, read through
 // the sequence's block table, then (in a token tree being verified) the new tokens of its tree that are its ancestors,
-// at their own slots (`tail`). A chain's new tokens are already written at logical positions ctx, ctx + 1, ..., so a
-// chain's query reads them through the table like the cache before it: [first, its own position + 1). A tree query
-// sees [first, ctx) and its ancestors: the same keys in the same order that a decode step at its position would see
-// once the accepted path sits at ctx, ctx + 1, ...
+// at their own slots (`tail`), whose positions run from tail_at. A chain's new tokens are already written at logical
+// positions ctx, ctx + 1, ..., so a chain's query reads them through the table like the cache before it: [first, its
+// own position + 1). A tree query sees [first, ctx) and its ancestors: the same keys at the same positions that a
+// decode step at its position would see once the accepted path sits at ctx, ctx + 1, ...
 struct Visible {
-  int64_t first, last;
+  int64_t first, last, tail_at;
   std::vector<int64_t> tail;
+  int64_t end() const { return tail.empty() ? last : tail_at + static_cast<int64_t>(tail.size()); }
 };
 
 // One sequence's rows [r0, r1) of the batch, with ctx tokens already in the cache and its block table.
@@ -200,11 +224,14 @@ Visible visible_keys(int64_t t, const SeqRows& s, const int64_t* positions, cons
   const int64_t pos = positions[t];
   if (!mask) {
     const int64_t last = s.ctx + (t - s.r0) + 1;
-    return {window ? std::max<int64_t>(0, pos - window + 1) : 0, last, {}};
+    return {window ? std::max<int64_t>(0, pos - window + 1) : 0, last, last, {}};
   }
-  Visible out{window ? std::min(s.ctx, std::max<int64_t>(0, pos - window + 1)) : 0, s.ctx, {}};
+  Visible out{window ? std::min(s.ctx, std::max<int64_t>(0, pos - window + 1)) : 0, s.ctx, s.ctx, {}};
   for (int64_t j = s.r0; j < s.r1; ++j)
-    if (mask[t * R + j] && (!window || pos - positions[j] < window)) out.tail.push_back(slots[j]);
+    if (mask[t * R + j] && (!window || pos - positions[j] < window)) {
+      if (out.tail.empty()) out.tail_at = positions[j];
+      out.tail.push_back(slots[j]);
+    }
   return out;
 }
 
@@ -213,82 +240,126 @@ inline int64_t physical(const SeqRows& s, int64_t block_size, int64_t a) {
   return s.table[a / block_size] * block_size + a % block_size;
 }
 
-// Queries q[i] (hd) of one sequence that share one KV group's cache k, v (slots, hd) -> out[i] (hd). Keys are walked
-// in tiles that never cross a block, so each tile is contiguous in memory.
-template <int NV, typename KV>
-void attend_tiled(const std::vector<const float*>& q, const std::vector<float*>& out, const std::vector<Visible>& seen,
-                  const KV* k, const KV* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale) {
-  const int64_t n = q.size(), tile = std::min(KEY_TILE, block_size);
-  std::vector<int64_t> offset(n + 1, 0);  // query i's weights p[offset[i]..]: its cache keys, then its tail
-  int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    offset[i + 1] = offset[i] + (seen[i].last - seen[i].first) + seen[i].tail.size() + 8;
-    lo = std::min(lo, seen[i].first);
-    hi = std::max(hi, seen[i].last);
+// The keys of chunk c that query s sees, as runs of slots: f(slot, j, n) for the chunk's keys j..j + n, at slots
+// slot(0..n). Runs never cross a block, so a run through the table is contiguous in memory. Returns the key count.
+template <typename F>
+int64_t walk_chunk(const Visible& s, const SeqRows& sr, int64_t block_size, int64_t c, F f) {
+  const int64_t lo = c * KEY_CHUNK, hi = lo + KEY_CHUNK;
+  int64_t j = 0;
+  for (int64_t x = std::max(lo, s.first), e = std::min(hi, s.last); x < e;) {
+    const int64_t y = std::min(e, (x / block_size + 1) * block_size), base = physical(sr, block_size, x);
+    f([base](int64_t i) { return base + i; }, j, y - x);
+    j += y - x;
+    x = y;
   }
-  lo -= lo % tile;
-  std::vector<float> p(offset[n]);
-  const auto keys = [](int64_t a) { return [a](int64_t j) { return a + j; }; };  // the slots a, a + 1, ...
-  // The part of tile [s, s + tile) that query i sees: [a, e), inside one block.
-  const auto span = [&](int64_t i, int64_t s, int64_t& a, int64_t& e) {
-    a = std::max(s, seen[i].first);
-    e = std::min({s + tile, seen[i].last, (a / block_size + 1) * block_size});
-  };
-  for (int64_t s = lo; s < hi; s += tile) {
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t a, e, a2, e2;
-      span(i, s, a, e);
-      if (a >= e) continue;
-      float* pi[2] = {p.data() + offset[i] + a - seen[i].first, nullptr};
-      const int64_t base = physical(sr, block_size, a);
-      if (i + 1 < n && (span(i + 1, s, a2, e2), a2 == a && e2 == e)) {  // two queries over the same keys
-        const float* qi[2] = {q[i], q[i + 1]};
-        pi[1] = p.data() + offset[i + 1] + a - seen[i + 1].first;
-        scores<2>(qi, k, keys(base), e - a, hd, scale, pi);
-        ++i;
-      } else {
-        scores<1>(&q[i], k, keys(base), e - a, hd, scale, pi);
-      }
-    }
+  const int64_t a = std::max(lo, s.tail_at), e = std::min(hi, s.end());
+  if (!s.tail.empty() && a < e) {
+    const int64_t* tail = s.tail.data() + (a - s.tail_at);
+    f([tail](int64_t i) { return tail[i]; }, j, e - a);
+    j += e - a;
   }
-  std::vector<float> inv(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const std::vector<int64_t>& tail = seen[i].tail;
-    float* pi = p.data() + offset[i];
-    const int64_t cached = seen[i].last - seen[i].first;
-    float* pt = pi + cached;
-    scores<1>(&q[i], k, [&tail](int64_t j) { return tail[j]; }, tail.size(), hd, scale, &pt);
-    inv[i] = softmax_weights(pi, cached + tail.size());
-    std::fill(out[i], out[i] + hd, 0.f);
-  }
-  for (int64_t s = lo; s < hi; s += tile) {
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t a, e;
-      span(i, s, a, e);
-      if (a < e)
-        accumulate<NV>(p.data() + offset[i] + a - seen[i].first, v, keys(physical(sr, block_size, a)), e - a, hd,
-                       out[i]);
-    }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const std::vector<int64_t>& tail = seen[i].tail;
-    const auto slot = [&tail](int64_t j) { return tail[j]; };
-    accumulate<NV>(p.data() + offset[i] + seen[i].last - seen[i].first, v, slot, tail.size(), hd, out[i]);
-    const __m256 vinv = _mm256_set1_ps(inv[i]);
-    for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(out[i] + d, _mm256_mul_ps(_mm256_loadu_ps(out[i] + d), vinv));
-  }
+  return j;
 }
 
-// The same for any hd, in plain loops, one query at a time.
+// A query's partial result over one chunk: m, l and o (hd floats, not yet divided by l). l == 0: the query sees no
+// key of the chunk.
+struct Partial {
+  float m, l;
+  float* o;
+};
+
+// state <- the left fold of partial `c` into it (e^(m - max) and e^(m_c - max) rescale both sides); the first partial
+// is taken as it is.
+void fold(Partial& state, const Partial& c, int64_t hd, bool first) {
+  if (first) {
+    state.m = c.m, state.l = c.l;
+    std::copy(c.o, c.o + hd, state.o);
+    return;
+  }
+  const float m = std::max(state.m, c.m), a = std::exp(state.m - m), b = std::exp(c.m - m);
+  state.m = m, state.l = state.l * a + c.l * b;
+  const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+  int64_t d = 0;
+  for (; d + 8 <= hd; d += 8)
+    _mm256_storeu_ps(state.o + d, _mm256_fmadd_ps(_mm256_loadu_ps(c.o + d), vb,
+                                                  _mm256_mul_ps(_mm256_loadu_ps(state.o + d), va)));
+  for (; d < hd; ++d) state.o[d] = std::fma(c.o[d], b, state.o[d] * a);
+}
+
+// out (hd) <- o / l.
+void finish(const Partial& s, int64_t hd, float* out) {
+  const float inv = 1.f / s.l;
+  for (int64_t d = 0; d < hd; ++d) out[d] = s.o[d] * inv;
+}
+
+// NQ queries that see the same keys of chunk c -> their partials (p: NQ rows of KEY_CHUNK + 8 floats of scratch).
+template <int NQ, int NV, typename KV>
+void chunk_part(const float* const* q, const Visible& s, const KV* k, const KV* v, const SeqRows& sr,
+                int64_t block_size, int64_t hd, float scale, int64_t c, float* const* p, Partial* part) {
+  const int64_t n = walk_chunk(s, sr, block_size, c, [&](auto slot, int64_t j, int64_t cnt) {
+    float* pj[NQ];
+    for (int r = 0; r < NQ; ++r) pj[r] = p[r] + j;
+    scores<NQ>(q, k, slot, cnt, hd, scale, pj);
+  });
+  float* o[NQ];
+  for (int r = 0; r < NQ; ++r) {
+    o[r] = part[r].o;
+    part[r].l = 0.f;
+    std::fill(o[r], o[r] + hd, 0.f);
+  }
+  if (n == 0) return;
+  for (int r = 0; r < NQ; ++r) softmax_part(p[r], n, part[r].m, part[r].l);
+  walk_chunk(s, sr, block_size, c, [&](auto slot, int64_t j, int64_t cnt) {
+    const float* pj[NQ];
+    for (int r = 0; r < NQ; ++r) pj[r] = p[r] + j;
+    accumulate<NQ, NV>(pj, v, slot, cnt, hd, o);
+  });
+}
+
+// Whether queries seeing a and b see the same keys in chunk c (then they are computed together, sharing the reads).
+bool same_keys(const Visible& a, const Visible& b, int64_t c) {
+  if (&a == &b) return true;
+  const int64_t lo = c * KEY_CHUNK, hi = lo + KEY_CHUNK;
+  const auto clip = [&](int64_t x) { return std::min(std::max(x, lo), hi); };
+  return clip(a.first) == clip(b.first) && clip(a.last) == clip(b.last) && std::max(lo, a.tail_at) >= std::min(hi, a.end()) &&
+         std::max(lo, b.tail_at) >= std::min(hi, b.end());
+}
+
+// Queries q[i] of one sequence and KV group (seeing seen[i]) over chunks [c0, c1) of its cache k, v (slots, hd):
+// emit(i, c, partial) for every chunk a query sees.
+template <int NV, typename KV, typename Emit>
+void attend_chunks(const std::vector<const float*>& q, const std::vector<const Visible*>& seen, const KV* k,
+                   const KV* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale, int64_t c0,
+                   int64_t c1, Emit emit) {
+  constexpr int NV2 = NV < 4 ? NV : 4;  // two queries' accumulators in registers
+  const int64_t n = q.size();
+  std::vector<float> scratch(2 * (KEY_CHUNK + 8) + 2 * hd);
+  float* p[2] = {scratch.data(), scratch.data() + KEY_CHUNK + 8};
+  Partial part[2] = {{0, 0, p[1] + KEY_CHUNK + 8}, {0, 0, p[1] + KEY_CHUNK + 8 + hd}};
+  for (int64_t c = c0; c < c1; ++c)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + 1 < n && same_keys(*seen[i], *seen[i + 1], c)) {
+        chunk_part<2, NV2>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part);
+        if (part[0].l > 0) emit(i, c, part[0]), emit(i + 1, c, part[1]);
+        ++i;
+      } else {
+        chunk_part<1, NV>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part);
+        if (part[0].l > 0) emit(i, c, part[0]);
+      }
+    }
+}
+
+// The same for any hd, in plain loops, one query at a time over all its keys (no chunks).
 template <typename KV>
-void attend_plain(const std::vector<const float*>& q, const std::vector<float*>& out, const std::vector<Visible>& seen,
-                  const KV* k, const KV* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale) {
+void attend_plain(const std::vector<const float*>& q, const std::vector<float*>& out,
+                  const std::vector<const Visible*>& seen, const KV* k, const KV* v, const SeqRows& sr,
+                  int64_t block_size, int64_t hd, float scale) {
   std::vector<int64_t> slots;
   std::vector<float> p;
   for (size_t i = 0; i < q.size(); ++i) {
     slots.clear();
-    for (int64_t j = seen[i].first; j < seen[i].last; ++j) slots.push_back(physical(sr, block_size, j));
-    slots.insert(slots.end(), seen[i].tail.begin(), seen[i].tail.end());
+    for (int64_t j = seen[i]->first; j < seen[i]->last; ++j) slots.push_back(physical(sr, block_size, j));
+    slots.insert(slots.end(), seen[i]->tail.begin(), seen[i]->tail.end());
     const int64_t L = slots.size();
     p.resize(L);
     float mx = -std::numeric_limits<float>::infinity();
@@ -311,47 +382,122 @@ void attend_plain(const std::vector<const float*>& q, const std::vector<float*>&
   }
 }
 
-// Queries q (R, H, hd) of the new rows of every sequence against the cache k, v (K, slots, hd) -> out (R, H, hd). Work
-// items run in parallel: each sequence's queries of each KV group (token by token, its heads in order) cut into equal
-// runs, the runs of all groups a multiple of the thread count (at least three per thread), so that the threads get
-// even shares and the queries of a run share the tiles they read. A query's arithmetic does not depend on the items
-// it shares, so a sequence's result is the same alone or in a batch.
+// Queries q (R, H, hd) of the new rows of every sequence against the cache k, v (K, slots, hd) -> out (R, H, hd).
+// Work items run in parallel. A sequence of few rows (decode, verify) is split by chunk: an item is one KV group's
+// queries over one chunk, its partials kept, then folded per query; a long run of rows (a prompt chunk) is split by
+// query: an item is a run of one group's (token, head) queries over all their chunks, folded as it goes. Both give
+// the same arithmetic. Items are at least three per thread where the rows allow, so the threads get even shares.
 template <typename KV>
 void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, int64_t S, int64_t hd,
                const std::vector<SeqRows>& seqs, int64_t block_size, const int64_t* positions, const int64_t* slots,
                const bool* mask, int64_t R, int64_t window, float scale, float* out) {
-  const int64_t group = H / K, threads = at::get_num_threads();
-  struct Item { int64_t seq, g, lo, hi; };  // rows lo..hi of the sequence's (token, head) queries of group g
+  constexpr int64_t SPLIT_ROWS = 16;  // sequences of up to this many rows are split by chunk
+  const int64_t group = H / K, threads = at::get_num_threads(), nseq = seqs.size();
+  std::vector<Visible> seen(R);
+  struct Item { int64_t seq, g, lo, hi, c0, c1; };  // rows lo..hi of the sequence's (token, head) queries of group g
+  struct Split { int64_t c0, chunks, base; };  // a split sequence's chunks and where its partials start in `parts`
   std::vector<Item> items;
-  int64_t work = 0;
-  for (int64_t s = 0; s < static_cast<int64_t>(seqs.size()); ++s) {
-    const int64_t T = seqs[s].r1 - seqs[s].r0, per_group = T * group;
+  std::vector<Split> split(nseq, {0, 0, -1});
+  int64_t work = 0, part_floats = 0;
+  const bool chunked = hd % 8 == 0;
+  for (int64_t s = 0; s < nseq; ++s) {
+    const SeqRows& sr = seqs[s];
+    const int64_t T = sr.r1 - sr.r0, per_group = T * group;
     if (T == 0) continue;
+    int64_t first = std::numeric_limits<int64_t>::max(), end = 0;
+    for (int64_t t = sr.r0; t < sr.r1; ++t) {
+      seen[t] = visible_keys(t, sr, positions, slots, mask, R, window);
+      first = std::min(first, seen[t].first);
+      end = std::max(end, seen[t].end());
+    }
+    const int64_t c0 = first / KEY_CHUNK, c1 = (end + KEY_CHUNK - 1) / KEY_CHUNK;
+    work += (sr.ctx + T) * hd * T * H;
+    if (chunked && T <= SPLIT_ROWS && c1 - c0 > 1) {
+      split[s] = {c0, c1 - c0, part_floats};
+      part_floats += T * H * (c1 - c0) * (hd + 2);
+      for (int64_t g = 0; g < K; ++g)
+        for (int64_t c = c0; c < c1; ++c) items.push_back({s, g, 0, per_group, c, c + 1});
+      continue;
+    }
     int64_t runs = (3 * threads + K - 1) / K;  // per group
     while (K * runs % threads) ++runs;
     runs = std::min(runs, per_group);
     for (int64_t g = 0; g < K; ++g)
-      for (int64_t run = 0; run < runs; ++run) items.push_back({s, g, per_group * run / runs, per_group * (run + 1) / runs});
-    work += (seqs[s].ctx + T) * hd * T * H;
+      for (int64_t run = 0; run < runs; ++run)
+        items.push_back({s, g, per_group * run / runs, per_group * (run + 1) / runs, c0, c1});
   }
-  const auto kernel = hd % 64 == 0 ? attend_tiled<8, KV> : hd % 32 == 0 ? attend_tiled<4, KV>
-                      : hd % 16 == 0 ? attend_tiled<2, KV> : hd % 8 == 0 ? attend_tiled<1, KV> : attend_plain<KV>;
+  // A split sequence's partial for (row t, head h, chunk c): m, l, then o (hd).
+  std::vector<float> parts(part_floats);
+  const auto part_at = [&](int64_t s, int64_t t, int64_t h, int64_t c) {
+    const Split& sp = split[s];
+    return parts.data() + sp.base + (((t - seqs[s].r0) * H + h) * sp.chunks + (c - sp.c0)) * (hd + 2);
+  };
+  std::fill(parts.begin(), parts.end(), 0.f);  // l == 0: no keys of that chunk
   const int64_t n_items = items.size();
-  at::parallel_for(0, n_items, work >= 16384 ? 1 : std::max<int64_t>(n_items, 1), [&](int64_t i0, int64_t i1) {
+  const int64_t grain = work >= 16384 ? 1 : std::max<int64_t>(n_items, 1);
+  at::parallel_for(0, n_items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<const float*> qs;
     std::vector<float*> outs;
-    std::vector<Visible> seen;
+    std::vector<const Visible*> vis;
+    std::vector<int64_t> rows, heads;
+    std::vector<float> state_o;
+    std::vector<Partial> state;
     for (int64_t it = i0; it < i1; ++it) {
       const Item& item = items[it];
       const SeqRows& sr = seqs[item.seq];
-      qs.clear(), outs.clear(), seen.clear();
+      qs.clear(), outs.clear(), vis.clear(), rows.clear(), heads.clear();
       for (int64_t r = item.lo; r < item.hi; ++r) {
         const int64_t t = sr.r0 + r / group, h = item.g * group + r % group;
         qs.push_back(q + (t * H + h) * hd);
         outs.push_back(out + (t * H + h) * hd);
-        seen.push_back(visible_keys(t, sr, positions, slots, mask, R, window));
+        vis.push_back(&seen[t]);
+        rows.push_back(t), heads.push_back(h);
       }
-      kernel(qs, outs, seen, k + item.g * S * hd, v + item.g * S * hd, sr, block_size, hd, scale);
+      const KV* kg = k + item.g * S * hd;
+      const KV* vg = v + item.g * S * hd;
+      if (!chunked) {
+        attend_plain(qs, outs, vis, kg, vg, sr, block_size, hd, scale);
+        continue;
+      }
+      const auto run = [&](auto emit) {
+        if (hd % 64 == 0) attend_chunks<8>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
+        else if (hd % 32 == 0) attend_chunks<4>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
+        else if (hd % 16 == 0) attend_chunks<2>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
+        else attend_chunks<1>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
+      };
+      if (split[item.seq].base >= 0) {  // keep the partials; they are folded below
+        run([&](int64_t i, int64_t c, const Partial& p) {
+          float* dst = part_at(item.seq, rows[i], heads[i], c);
+          dst[0] = p.m, dst[1] = p.l;
+          std::copy(p.o, p.o + hd, dst + 2);
+        });
+        continue;
+      }
+      const int64_t n = qs.size();
+      state_o.assign(n * hd, 0.f);
+      state.assign(n, {0, 0, nullptr});
+      for (int64_t i = 0; i < n; ++i) state[i].o = state_o.data() + i * hd;
+      run([&](int64_t i, int64_t, const Partial& p) { fold(state[i], p, hd, state[i].l == 0); });
+      for (int64_t i = 0; i < n; ++i) finish(state[i], hd, outs[i]);
+    }
+  });
+  if (part_floats == 0) return;
+  // Fold the split sequences' partials, one (row, head) query at a time.
+  std::vector<std::pair<int64_t, int64_t>> queries;  // (sequence, row * H + head)
+  for (int64_t s = 0; s < nseq; ++s)
+    if (split[s].base >= 0)
+      for (int64_t th = seqs[s].r0 * H; th < seqs[s].r1 * H; ++th) queries.emplace_back(s, th);
+  at::parallel_for(0, queries.size(), std::max<int64_t>(1, static_cast<int64_t>(queries.size()) / threads),
+                   [&](int64_t i0, int64_t i1) {
+    std::vector<float> o(hd);
+    for (int64_t i = i0; i < i1; ++i) {
+      const auto [s, th] = queries[i];
+      Partial state{0, 0, o.data()};
+      for (int64_t c = split[s].c0; c < split[s].c0 + split[s].chunks; ++c) {
+        float* src = part_at(s, th / H, th % H, c);
+        if (src[1] > 0) fold(state, {src[0], src[1], src + 2}, hd, state.l == 0);
+      }
+      finish(state, hd, out + th * hd);
     }
   });
 }

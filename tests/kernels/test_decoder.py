@@ -58,11 +58,12 @@ def test_bfloat16_models_are_left_to_pytorch():
 
 # Vector attention holding 2 or 8 registers, and the plain loops (head sizes whose o_proj the int4 kernel takes);
 # one, two and three query heads per KV head (queries of a group are scored in pairs); prompts inside one
-# tile of keys and across several (32 keys a tile); a sliding window shorter than the prompt on one of two layers
-# (queries of one step then see different first keys).
+# block of keys, across several (32 keys a block) and across chunks (128 keys a chunk, whose partial results fold;
+# the verified tokens at 254..257 straddle a chunk boundary);
+# a sliding window shorter than the prompt on one of two layers (queries of one step then see different first keys).
 @pytest.mark.parametrize("heads,head_dim", [(4, 16), (2, 64), (4, 64), (6, 64), (16, 12)])
 @pytest.mark.parametrize("tree", [False, True])
-@pytest.mark.parametrize("prompt_len,window", [(20, None), (75, None), (75, 40)])
+@pytest.mark.parametrize("prompt_len,window", [(20, None), (75, None), (75, 40), (254, None), (254, 150)])
 def test_verify_step_reproduces_decode_steps_bit_for_bit(heads, head_dim, tree, prompt_len, window):
     """Speculation is only lossless if verifying tokens together gives each the logits of decoding it alone."""
     torch.manual_seed(0)
@@ -75,7 +76,7 @@ def test_verify_step_reproduces_decode_steps_bit_for_bit(heads, head_dim, tree, 
 def assert_verify_reproduces_decode(model, prompt: list[int], tree: bool):
     """Four decode steps after `prompt`, then the same path verified in one step (as a chain, or inside a tree with
     rejected siblings): the kept rows' logits equal the steps' bit for bit."""
-    model.setup_cache(128)
+    model.setup_cache(len(prompt) + 8)
     decoder = native_decoder(model)
     path = [5, 9, 2, 7]
     prefill(model, prompt)
