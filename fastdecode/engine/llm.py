@@ -146,8 +146,11 @@ class LLM:
             raise InvalidRequestError("the prompt is empty")
         return ids
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        """`template_kwargs`: extra variables the chat template reads (e.g. Qwen3's enable_thinking)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                                  **(template_kwargs or {}))
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- generation --------------------------------------------------------------------------------------------

@@ -93,7 +93,8 @@ def chat_prompt(body: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
     knows_tools = template_knows_tools(template)
     taught = tool_format(template)
     rendered = template_messages(messages, tools, knows_tools, taught.template_call_id)
-    ids = encode(lambda: llm.chat_prompt(rendered, tools if tools and knows_tools else None))
+    options = template_options(body)
+    ids = encode(lambda: llm.chat_prompt(rendered, tools if tools and knows_tools else None, options))
     # A forced call is written in the Hermes form its grammar spells, from the first token: no reasoning first.
     parser = HermesParser if forced else taught
     reasoning = None if forced else reasoning_in(template, llm.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
@@ -102,6 +103,20 @@ def chat_prompt(body: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
         reply = ReplyFormat(parser if tools else None, {t["function"]["name"]: t["function"].get("parameters")
                                                         for t in tools}, reasoning)
     return ChatPrompt(ids, reply, forced)
+
+
+# reasoning_effort levels at which a template that can turn reasoning off (Qwen3's enable_thinking) turns it off
+NO_THINKING = ("none", "minimal")
+
+
+def template_options(body: ChatCompletionRequest) -> dict:
+    """The chat template's extra variables: the request's chat_template_kwargs, and from its reasoning_effort both
+    `reasoning_effort` (gpt-oss's templates read the level) and `enable_thinking` (Qwen3's hybrid templates render an
+    empty reasoning block when it is false, so the model answers at once); the kwargs win where both set one."""
+    options = {}
+    if body.reasoning_effort is not None:
+        options = {"reasoning_effort": body.reasoning_effort, "enable_thinking": body.reasoning_effort not in NO_THINKING}
+    return {**options, **(body.chat_template_kwargs or {})}
 
 
 def chat_request(body: ChatCompletionRequest, served: ServedModel, prompt: ChatPrompt | None = None) -> EngineRequest:

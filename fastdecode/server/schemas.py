@@ -135,6 +135,24 @@ class Sampling(Strict):
         return stop
 
 
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def checked_template_kwargs(kwargs: dict | None) -> dict | None:
+    """Extra chat-template variables (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`): JSON values within the
+    size limits that cannot replace what the server itself passes the template."""
+    if kwargs is None:
+        return None
+    taken = sorted(RESERVED_TEMPLATE_NAMES & kwargs.keys())
+    if taken:
+        raise PydanticCustomError("reserved_template_variable", f"chat_template_kwargs may not set {taken[0]}")
+    try:
+        check_size(kwargs, "chat_template_kwargs")
+    except InvalidRequestError as e:
+        raise PydanticCustomError("invalid_template_kwargs", str(e)) from None
+    return kwargs
+
+
 class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -145,11 +163,20 @@ class ChatCompletionRequest(Sampling):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # How much the model reasons, for templates that can turn it off (Qwen3's `enable_thinking`) or take the
+    # level (gpt-oss's `reasoning_effort`); see prepare.template_options.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def bounded_template_kwargs(cls, kwargs):
+        return checked_template_kwargs(kwargs)
+
     # accepted and ignored
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None

@@ -42,7 +42,8 @@ CHATML_TURNS = """
 {%- endfor %}
 """
 
-# Qwen3: tools as JSON in <tools>, Hermes calls, reasoning in <think> (left out of earlier turns).
+# Qwen3: tools as JSON in <tools>, Hermes calls, reasoning in <think> (left out of earlier turns); with
+# enable_thinking false, an empty reasoning block ends the prompt.
 QWEN3 = """{%- macro CALL(call) %}<tool_call>
 {"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
 </tool_call>{% endmacro %}
@@ -57,7 +58,12 @@ For each function call, return a json object within <tool_call></tool_call> XML 
 {% endif %}""" + CHATML_TURNS + """
 {%- if add_generation_prompt %}
 <|im_start|>assistant
-{% endif %}"""
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}
+{%- endif %}"""
 
 # Qwen3-Coder: XML calls, each value on its own lines.
 QWEN3_CODER = """{%- macro CALL(call) %}<tool_call>

@@ -181,3 +181,27 @@ def test_qwen3_reasoning_is_a_responses_reasoning_item(qwen3):
         final = s.get_final_response()
     assert "response.reasoning_text.delta" in kinds and final.output_text == "Hello!"
     assert [i.type for i in final.output] == ["reasoning", "message"]
+
+
+def test_reasoning_turned_off_through_the_template_by_each_api(qwen3):
+    """Qwen3's template renders an empty reasoning block when enable_thinking is false: reasoning_effort none or
+    chat_template_kwargs on Chat Completions, no `thinking` (or a disabled one) on Messages, reasoning.effort on
+    Responses; the reply then is content from its first token."""
+    qwen3.script = "Hello!"
+    tokens = lambda **kw: qwen3.openai.chat.completions.create(  # noqa: E731
+        model=qwen3.model, messages=ASK, max_tokens=1, **kw).usage.prompt_tokens
+    counted = lambda **kw: qwen3.claude.messages.count_tokens(  # noqa: E731
+        model=qwen3.model, messages=ASK, **kw).input_tokens
+    responses = lambda **kw: qwen3.openai.responses.create(  # noqa: E731
+        model=qwen3.model, input=ASK, max_output_tokens=1, **kw).usage.input_tokens
+    on = tokens()
+    off = tokens(reasoning_effort="none")
+    assert off > on
+    assert tokens(reasoning_effort="minimal") == off and tokens(reasoning_effort="high") == on
+    assert tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == off
+    assert counted() == off == counted(thinking={"type": "disabled"})
+    assert counted(thinking={"type": "adaptive"}) == on == counted(thinking={"type": "enabled", "budget_tokens": 2048})
+    assert responses(reasoning={"effort": "minimal"}) == off and responses(reasoning={"effort": "low"}) == on
+    assert chat(qwen3, "Hello!", tools=None, reasoning_effort="none") == ("Hello!", None, [], "stop")
+    with pytest.raises(openai.BadRequestError, match="may not set messages"):
+        tokens(extra_body={"chat_template_kwargs": {"messages": []}})

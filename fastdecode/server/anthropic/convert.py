@@ -45,6 +45,9 @@ def chat_body(body: MessagesInput) -> ChatCompletionRequest:
             **({"description": t.description} if t.description is not None else {})}} for t in body.tools]
     if body.tool_choice is not None:
         fields["tool_choice"] = tool_choice(body.tool_choice)
+    # As with Claude, no `thinking` means no reasoning: a template that can turn it off (Qwen3's) is told to.
+    thinks = body.thinking is not None and body.thinking.type != "disabled"
+    fields["chat_template_kwargs"] = {"enable_thinking": thinks}
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, ignore_eos=body.ignore_eos)

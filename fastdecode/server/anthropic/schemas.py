@@ -1,6 +1,5 @@
 """Request bodies of the Messages API. Unknown fields are ignored, not rejected: Claude Code sends fields that change
-nothing here (thinking, context_management, output_config, cache_control on blocks, ...) and new ones with each
-release."""
+nothing here (context_management, output_config, cache_control on blocks, ...) and new ones with each release."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
@@ -61,13 +60,19 @@ class ToolChoice(Lenient):
     disable_parallel_tool_use: bool | None = None  # accepted: the parser returns every call it finds
 
 
+class Thinking(Lenient):
+    type: str  # enabled, adaptive (Claude Code) or disabled
+    budget_tokens: int | None = None  # accepted; the reply's max_tokens bounds it
+
+
 class MessagesInput(Lenient):
-    """What both endpoints read: the conversation as the model sees it."""
+    """What both endpoints read: the conversation as the model sees it (and whether it may reason first)."""
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
 
 
 class MessagesRequest(MessagesInput):

@@ -17,6 +17,8 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
     messages += conversation(body.input)
     fields = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
               "temperature": body.temperature, "top_p": body.top_p}
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        fields["reasoning_effort"] = body.reasoning.effort
     if body.tools:
         fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                            for t in body.tools]

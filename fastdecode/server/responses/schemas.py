@@ -1,5 +1,5 @@
 """Request bodies of the Responses API. Unknown fields are ignored: agents send fields that change nothing for a
-stateless server (store, include, reasoning, prompt_cache_key, ...). Items of other types than those below
+stateless server (store, include, prompt_cache_key, ...). Items of other types than those below
 (images, files, built-in tools' calls) are refused by validation with the list of those accepted."""
 from __future__ import annotations
 
@@ -70,6 +70,11 @@ class TextConfig(Lenient):
     format: TextFormat | None = None
 
 
+class Reasoning(Lenient):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None  # accepted; reasoning comes back as its text, not a summary
+
+
 class ResponsesRequest(Lenient):
     model: str
     input: str | list[Item]
@@ -81,6 +86,7 @@ class ResponsesRequest(Lenient):
     top_p: float | None = Field(None, ge=0, le=1)
     stream: bool | None = False
     text: TextConfig | None = None
+    reasoning: Reasoning | None = None
     previous_response_id: str | None = None  # refused: this server keeps no responses
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
