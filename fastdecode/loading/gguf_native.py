@@ -34,6 +34,7 @@ from fastdecode.models import model_class
 from fastdecode.models.transformer import PACKED_MODULES
 from fastdecode.quant import build_linear, encode_linear, fits
 from fastdecode.quant.embedding import QuantEmbedding
+from fastdecode.quant.repack import concat
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +138,16 @@ class ModuleLoader:
         layouts = {(KEPT.get(t.type), t.type in WITH_MINS) for t in shards}
         scheme = layouts.pop()[0] if len(layouts) == 1 else None  # Q5_0 beside Q8_0 is one int8 layout
         if scheme and fits(scheme, N, K, 32):
+            # Views of the mapped file (block_tensors): a lone matrix is read once, by its packing; shards are joined
+            # first (q/k/v, gate/up: one copy more).
             parts = [block_tensors(t, permuted_heads(f"{s}.weight", self.config)) for s, t in zip(sources, shards)]
+            blocks = {k: concat([p[k] for p in parts]) for k in parts[0]}
+            linear = build_linear(blocks, scheme, bias, K, 32, self.backend)
             for t in shards:
                 self.f.release(t)
-            blocks = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
             self.kept["/".join(sorted({t.type.name for t in shards}))] += 1
             self.exact.add(name)
-            return build_linear(blocks, scheme, bias, K, 32, self.backend)
+            return linear
         w = torch.cat([self.float_weight(f"{s}.weight") for s in sources]).to(self.dtype)
         if kind in FLOAT_TYPES:  # float stays float, as in the float model
             module.weight = nn.Parameter(w, requires_grad=False)
