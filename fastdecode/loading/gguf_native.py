@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -61,9 +62,10 @@ def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, ba
         name for name, m in model.named_modules()
         if name not in ("lm_head", "embed_tokens") and any(True for _ in m.parameters(recurse=False))]
     trim = heap_trimmer()
-    for name in progress(names) if progress is not None else names:
-        loader.load(model, name)
-        trim()
+    with packing():
+        for name in progress(names) if progress is not None else names:
+            loader.load(model, name)
+            trim()
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise ModelFileError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
@@ -74,6 +76,18 @@ def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, ba
     if "rope_freqs.weight" in f.tensors:
         model.rope_freq_factors = torch.from_numpy(dequantize_tensor(f.tensors["rope_freqs.weight"]).copy())
     return model.eval()
+
+
+@contextmanager
+def packing():
+    """Loading is byte moves bound by memory and page faults, run on one torch thread: a second gains little, and on
+    a busy 2-core machine each parallel op waits for it (1.5B Q4_0 at load average 3: 2.3-2.9 s against 1.5-1.6 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def heap_trimmer():
