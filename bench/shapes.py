@@ -193,6 +193,7 @@ def child(engine: str, path: str, prompt_tokens: int, tokens: int, threads: int,
         llm = LLM(path, threads=threads, max_seq_len=max_seq_len, speculate="none")
         load_s = time.perf_counter() - start
         c = llm.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        llm.close()  # else the process aborts at exit ("terminate called without an active exception", rc 134)
         t = c.timings
         return {"load_s": load_s, "prefill_tok_s": t.prefill_tok_s, "decode_tok_s": t.output_tok_s,
                 "tokens": c.token_ids, "decode_path": "native" if llm.decoder is not None else "pytorch"}
