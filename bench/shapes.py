@@ -3,9 +3,9 @@
     .venv/bin/python bench/shapes.py                      # Qwen2.5-Coder-1.5B and Llama-3.1-8B shapes, Q4_0 and Q8_0
     .venv/bin/python bench/shapes.py --shapes qwen2.5-coder-1.5b --types Q4_0 --runs 1   # a smoke run
 
-Decode speed depends on shapes and bytes, not on values, so the files hold random blocks (a fixed scale, random
-codes) in the real tensor shapes, with SmolLM2's tokenizer padded to the real vocabulary so that llama.cpp loads
-them. They are written once into $FASTDECODE_HOME/shapes. Every run is a fresh process (load included), the engines
+Decode speed depends on shapes and bytes, not on values, so the files hold random blocks (random codes, scales that
+give weights a std of about 0.02) in the real tensor shapes, with SmolLM2's tokenizer padded to the real vocabulary
+so that llama.cpp loads them. Q4_K follows llama.cpp's Q4_K_M recipe (`tensor_type`), the file type people download. They are written once into $FASTDECODE_HOME/shapes. Every run is a fresh process (load included), the engines
 alternate within each round, and the parent reads each child's peak resident memory (ru_maxrss, from wait4): file
 pages that a memory-mapping engine touches count, as they do for the machine. Writes shapes.json (with the commit)
 and shapes.md into --out.
@@ -47,8 +47,11 @@ SHAPES = {  # from each model's config.json
     "llama-3.2-3b": Shape("llama", 3072, 8192, 28, 24, 8, 128256, True, 5e5, 1e-5),
     "llama-3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128256, False, 5e5, 1e-5),
 }
-# Block layout per type: (bytes per block of 32, scale chosen so weights have a std of about 0.02).
-BLOCKS = {"Q4_0": (18, 0.02 / 4.6), "Q8_0": (34, 0.02 / 74)}
+# The fp16 scale d per GGML type that gives random codes a weight std of about 0.02: Q4_0 d (q - 8), q uniform in
+# 0..15 (std 4.6); Q8_0 d q, q uniform int8 (std 74); Q4_K d sc q - dmin m, sc, m in 0..63 and q in 0..15 (std of sc q
+# 218; dmin = d); Q6_K d sc (q - 32), sc int8 and q in 0..63 (std 74 * 18.5).
+SCALES = {"Q4_0": 0.02 / 4.6, "Q8_0": 0.02 / 74, "Q4_K": 0.02 / 218, "Q6_K": 0.02 / (74 * 18.5)}
+FILE_TYPES = ("Q4_0", "Q8_0", "Q4_K")  # --types; Q4_K is llama.cpp's Q4_K_M mix
 TOKENIZER_SOURCE = "smollm2-135m"
 
 
@@ -75,13 +78,41 @@ def tensors(s: Shape):
         yield "output.weight", (s.vocab, s.hidden)
 
 
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's rule (llama-quant.cpp) for the layers whose attn_v and ffn_down Q4_K_M keeps in Q6_K: the first
+    and last eighth, and every third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(name: str, file_type: str, s: Shape) -> str:
+    """The GGML type of matrix `name` in a file of `file_type`. Q4_K is llama.cpp's Q4_K_M for dense models: Q4_K,
+    but Q6_K for the output matrix (the token embedding where it is tied: llama.cpp's `!has_output` case) and for
+    attn_v and ffn_down where use_more_bits. Q4_0 and Q8_0 files hold every matrix in their type."""
+    if file_type != "Q4_K":
+        return file_type
+    if name == "output.weight" or (name == "token_embd.weight" and s.tied):
+        return "Q6_K"
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and use_more_bits(int(parts[1]), s.layers):
+        return "Q6_K"
+    return "Q4_K"
+
+
 def random_blocks(rng, shape, qtype: str) -> np.ndarray:
-    """(rows, bytes per row) uint8: random codes, every block's fp16 scale set to the type's."""
-    block_bytes, scale = BLOCKS[qtype]
+    """(rows, bytes per row) uint8: random codes, every block's fp16 scales (d, and dmin) about the type's."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from fastdecode.quant import kquant_blocks
+
+    qt = getattr(GGMLQuantizationType, qtype)
+    block, block_bytes = GGML_QUANT_SIZES[qt]
     rows, cols = shape
-    raw = np.frombuffer(rng.bytes(rows * cols // 32 * block_bytes), dtype=np.uint8).reshape(rows, -1, block_bytes)
+    if qt in kquant_blocks.K_QUANTS:  # random 6-bit or int8 sub-block scales, d within a factor of 2 of the type's
+        d = SCALES[qtype]
+        return kquant_blocks.random_blocks(qt, rows * cols // block, rng, (d / 2, d * 2)).reshape(rows, -1)
+    raw = np.frombuffer(rng.bytes(rows * cols // block * block_bytes), dtype=np.uint8).reshape(rows, -1, block_bytes)
     raw = raw.copy()
-    raw[..., :2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    raw[..., :2] = np.frombuffer(np.float16(SCALES[qtype]).tobytes(), dtype=np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -97,7 +128,7 @@ def tokenizer_metadata(vocab: int) -> dict:
     return meta
 
 
-def write_shape(path: Path, s: Shape, qtype: str, seed: int = 0):
+def write_shape(path: Path, s: Shape, file_type: str, seed: int = 0):
     import gguf
 
     w = gguf.GGUFWriter(None, s.arch)
@@ -119,21 +150,24 @@ def write_shape(path: Path, s: Shape, qtype: str, seed: int = 0):
             w.add_bool(key, value)
         else:
             w.add_uint32(key, value)
-    qt = getattr(gguf.GGMLQuantizationType, qtype)
-    specs = list(tensors(s))
-    for name, shape in specs:
-        if len(shape) == 1:
+    if file_type == "Q4_K":
+        w.add_uint32("general.file_type", gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    specs = [(name, shape, len(shape) > 1 and tensor_type(name, file_type, s)) for name, shape in tensors(s)]
+    for name, shape, qtype in specs:
+        if not qtype:
             w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
         else:
-            nbytes = shape[0] * shape[1] // 32 * BLOCKS[qtype][0]
+            qt = getattr(gguf.GGMLQuantizationType, qtype)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qt]
+            nbytes = shape[0] * shape[1] // block * block_bytes
             w.add_tensor_info(name, (shape[0], nbytes // shape[0]), np.dtype(np.uint8), nbytes, raw_dtype=qt)
     tmp = path.with_suffix(".tmp")
     w.write_header_to_file(tmp)
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for name, shape in specs:  # one tensor in memory at a time
-        w.write_tensor_data(np.ones(shape, np.float32) if len(shape) == 1 else random_blocks(rng, shape, qtype))
+    for name, shape, qtype in specs:  # one tensor in memory at a time
+        w.write_tensor_data(random_blocks(rng, shape, qtype) if qtype else np.ones(shape, np.float32))
     w.close()
     tmp.rename(path)
 
@@ -159,6 +193,7 @@ def child(engine: str, path: str, prompt_tokens: int, tokens: int, threads: int,
         llm = LLM(path, threads=threads, max_seq_len=max_seq_len, speculate="none")
         load_s = time.perf_counter() - start
         c = llm.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        llm.close()  # else the process aborts at exit ("terminate called without an active exception", rc 134)
         t = c.timings
         return {"load_s": load_s, "prefill_tok_s": t.prefill_tok_s, "decode_tok_s": t.output_tok_s,
                 "tokens": c.token_ids, "decode_path": "native" if llm.decoder is not None else "pytorch"}
@@ -243,7 +278,7 @@ def render(rows: list[dict]) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="qwen2.5-coder-1.5b,llama-3.1-8b", help=f"of {', '.join(SHAPES)}")
-    p.add_argument("--types", default="Q4_0,Q8_0", help=f"of {', '.join(BLOCKS)}")
+    p.add_argument("--types", default="Q4_0,Q8_0", help=f"of {', '.join(FILE_TYPES)}")
     p.add_argument("--runs", type=int, default=3, help="rounds; within each, every engine runs every file once")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded per run")

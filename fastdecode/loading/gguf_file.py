@@ -25,6 +25,7 @@ SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
                7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 STRING, ARRAY = 8, 9
+U64 = struct.Struct("<Q")
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NESTING = 2  # arrays of arrays; llama.cpp writes none
 MAX_ARRAY = 1 << 21  # elements per metadata array: Gemma 3's vocabulary is 262k; Python objects cost ~50 bytes each
@@ -81,6 +82,20 @@ class GGUFFile:
         self.pos += n
         return s
 
+    def _strings(self, n: int) -> list[str]:
+        """n strings in a row: a vocabulary's 150k tokens and its merges, so the loop is _string inlined (half the
+        time of calling it, ~40 ms per 150k)."""
+        unpack, mm, size, pos, out = U64.unpack_from, self.map, len(self.mm), self.pos, []
+        append = out.append
+        for _ in range(n):
+            end = pos + 8 + unpack(mm, pos)[0]
+            if end > size:
+                raise ValueError("unexpected end of file")
+            append(mm[pos + 8:end].decode("utf-8", errors="replace"))
+            pos = end
+        self.pos = pos
+        return out
+
     def _count(self, limit: int, what: str) -> int:
         n = self._unpack("<Q")
         if n > limit:
@@ -104,6 +119,8 @@ class GGUFFile:
                 arr = np.frombuffer(self.buf, dtype=dt, count=n, offset=self.pos)
                 self.pos = end
                 return arr.tolist()
+            if etype == STRING:
+                return self._strings(n)
             return [self._value(etype, nesting + 1) for _ in range(n)]
         raise ValueError(f"unknown metadata value type {vtype}")
 

@@ -2,6 +2,8 @@
 the Q8_0/Q4_0/Q4_1 and K-quant block tensors as they are, for the modules that hold those layouts (gguf_native)."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -116,28 +118,37 @@ BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGM
 K_BLOCK_BYTES = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, GGMLQuantizationType.Q6_K: 210}
 
 
+def file_view(a: np.ndarray) -> torch.Tensor:
+    """A tensor over a mapped array, without a copy. torch warns that it cannot mark the tensor read-only; the loaders
+    only read these views (a write would fault), and each module's packing copies them once."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
 def block_tensors(t, heads: int | None = None) -> dict[str, torch.Tensor]:
-    """A Q8_0 or Q5_0 tensor (N, K) -> {"qweight" (N, K) int8, "scales" (N, K/32) fp16} (Q5_1: uint8 q and "mins"
-    too); Q4_0/Q4_1 -> {"blocks" (N, K/32, 16) uint8, the block's nibble bytes as they are, "scales", "mins" (N, K/32)
-    fp16}; a K-quant -> {"blocks" (N, K/256, bytes) uint8}, its super-blocks as they are: what the quant modules'
-    from_tensors take (fastdecode.quant), with no value rounded on the way. `heads` (permuted_heads) undoes
-    llama.cpp's q/k row permutation: rows are whole blocks, so it moves bytes, not values."""
+    """A Q8_0 or Q5_0 tensor (N, K) -> {"qweight" (N, K/32, 32) int8, "scales" (N, K/32) fp16} (Q5_1: uint8 q and
+    "mins" too); Q4_0/Q4_1 -> {"blocks" (N, K/32, 16) uint8, the block's nibble bytes as they are, "scales", "mins"
+    (N, K/32) fp16}; a K-quant -> {"blocks" (N, K/256, bytes) uint8}, its super-blocks as they are: what the quant
+    modules' from_tensors take (fastdecode.quant), with no value rounded on the way. Q8_0/Q4_0/Q4_1/K-quant blocks and
+    scales are strided views of the mapped file (Q4_0's mins excepted), so packing reads the file once and the
+    tensor's pages must stay mapped until then. `heads` (permuted_heads) undoes llama.cpp's q/k row permutation: rows
+    are whole blocks, so it moves bytes, not values (a copy)."""
     N, K = t.shape
-    if heads is not None:
-        return {k: torch.from_numpy(unpermute_rows(v.numpy(), heads).copy()) for k, v in block_tensors(t).items()}
+    data = t.data if heads is None else unpermute_rows(np.asarray(t.data).reshape(N, -1), heads)
     if t.type in K_BLOCK_BYTES:
-        return {"blocks": torch.from_numpy(np.array(t.data)).view(N, K // 256, K_BLOCK_BYTES[t.type])}
-    raw = torch.from_numpy(np.array(t.data)).view(N, K // 32, BLOCK_BYTES[t.type])  # copy: the file is read-only
-    half = lambda lo: raw[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0]  # noqa: E731  (N, K/32)
+        return {"blocks": file_view(data).view(N, K // 256, K_BLOCK_BYTES[t.type])}
+    raw = file_view(data).view(N, K // 32, BLOCK_BYTES[t.type])
+    half = lambda lo: raw[..., lo:lo + 2].view(torch.float16)[..., 0]  # noqa: E731  (N, K/32)
     if t.type == GGMLQuantizationType.Q8_0:
-        return {"qweight": raw[..., 2:].contiguous().view(torch.int8).reshape(N, K), "scales": half(0)}
+        return {"qweight": raw[..., 2:].view(torch.int8), "scales": half(0)}
     if t.type in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1):
         high = raw[..., -20:-16].contiguous().view(torch.int32) >> torch.arange(32, dtype=torch.int32) & 1
         qs = raw[..., -16:]
-        q = (torch.cat([qs & 15, qs >> 4], dim=-1) | high.to(torch.uint8) << 4).reshape(N, K)  # 0..31
+        q = (torch.cat([qs & 15, qs >> 4], dim=-1) | high.to(torch.uint8) << 4)  # (N, K/32, 32) in 0..31
         if t.type == GGMLQuantizationType.Q5_0:
             return {"qweight": (q.to(torch.int8) - 16), "scales": half(0)}
         return {"qweight": q, "scales": half(0), "mins": half(2)}
     d = half(0)
     m = half(2) if t.type == GGMLQuantizationType.Q4_1 else -8 * d  # Q4_0: d*(q-8) = d*q + (-8d), exact in fp16
-    return {"blocks": raw[..., -16:], "scales": d, "mins": m}  # a view: packing copies it once
+    return {"blocks": raw[..., -16:], "scales": d, "mins": m}

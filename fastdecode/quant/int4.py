@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from fastdecode.quant.kernels import native_ops
 from fastdecode.quant.linear import QuantLinear, lut_fits, lut_ops, pack_nibbles, unpack_nibbles
+from fastdecode.quant.repack import move
 
 EMPTY = torch.empty(0)
 VALUES = torch.arange(16, dtype=torch.float32)  # the lookup kernel's table before scale and min: w = q * d + m
@@ -73,13 +74,14 @@ def from_blocks(qs: torch.Tensor) -> torch.Tensor:
 def pack_native(qs: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     """qs (N, K/32, 16) in block order (to_blocks) -> (N/4, K/64, 160) uint8: per tile of 4 rows and pair of
     32-blocks, the 8 fp16 scales and the 8 fp16 mins in (row, block) order, then each row's 32 bytes (see
-    kernels.cpp). Bytes move, no value is unpacked: a GGUF file's blocks go in as they are."""
+    kernels.cpp). Bytes move, no value is unpacked: a GGUF file's blocks go in as they are, read once from strided
+    views of the file."""
     N, K = qs.shape[0], qs.shape[1] * 32
     out = torch.empty(N // 4, K // 64, 160, dtype=torch.uint8)  # written once, from strided views of the inputs
-    out[..., 32:].view(N // 4, K // 64, 4, 2, 16).copy_(qs.view(N // 4, 4, K // 64, 2, 16).transpose(1, 2))
+    move(out[..., 32:].view(N // 4, K // 64, 4, 2, 16), qs.view(N // 4, 4, K // 64, 2, 16).transpose(1, 2))
     dm = out[..., :32].view(torch.float16).view(N // 4, K // 64, 2, 4, 2)  # (scale|min, row, block)
     for i, t in enumerate((scale, mn)):
-        dm[:, :, i].copy_(t.reshape(N // 4, 4, K // 64, 2).transpose(1, 2))
+        move(dm[:, :, i], t.to(torch.float16).reshape(N // 4, 4, K // 64, 2).transpose(1, 2))
     return out
 
 
@@ -115,7 +117,7 @@ class Int4Linear(QuantLinear):
             self.register_buffer("scales", scale.half())
             self.register_buffer("mins", mn.half())
         elif backend == "aten":
-            packed, sz = pack_for_aten(q, scale, mn)
+            packed, sz = pack_for_aten(q, scale.float(), mn.float())
             self.register_buffer("packed", packed)
             self.register_buffer("scales_and_zeros", sz)
         else:
@@ -151,7 +153,7 @@ class Int4Linear(QuantLinear):
         q = t["blocks"] if "blocks" in t else unpack_nibbles(t["qweight"])
         in_features = in_features or q.shape[1] * (32 if q.dim() == 3 else 1)
         backend = cls.resolve_backend((q.shape[0], in_features), group_size, backend)
-        return cls(q, t["scales"].float(), t["mins"].float(), bias, group_size, backend, in_features)
+        return cls(q, t["scales"], t["mins"], bias, group_size, backend, in_features)  # fp16 or float32
 
     @classmethod
     def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32,

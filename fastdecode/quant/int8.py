@@ -20,6 +20,7 @@ from torch import nn
 
 from fastdecode.quant.kernels import native_ops
 from fastdecode.quant.linear import QuantLinear
+from fastdecode.quant.repack import move
 
 log = logging.getLogger(__name__)
 
@@ -55,28 +56,31 @@ def quantize_blockwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None = None) -> torch.Tensor:
-    """Blocks back to float: uint8 q with offsets, or int8 q of Q8_0 without (mins None)."""
-    N, K = q.shape
-    g = q.reshape(N, K // QK, QK).float() * scale[..., None]
+    """Blocks (N, K) or (N, K/32, 32) back to float (N, K): uint8 q with offsets, or int8 q of Q8_0 without (mins
+    None)."""
+    N = q.shape[0]
+    g = q.reshape(N, -1, QK).float() * scale.float()[..., None]
     if mins is not None:
-        g = g + mins[..., None]
-    return g.reshape(N, K)
+        g = g + mins.float()[..., None]
+    return g.reshape(N, -1)
 
 
 def pack_native(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
-    """q (N, K) uint8 with offsets `mins`, or int8 with mins None (Q8_0: w = d q) -> (N/4, K/32, 144) uint8: per tile
-    of 4 rows and block of 32, the 4 fp16 scales, the 4 fp16 offsets, then each row's 32 values, in the order
-    quant.cpp reads them. Where every block is symmetric (a Q8_0 tensor), the offsets are left out and the values
-    stored as int8: (N/4, K/32, 136), 6% fewer bytes to read."""
-    N, K = q.shape
-    if mins is not None and torch.equal(mins, -128 * scale):
+    """q (N, K) or (N, K/32, 32) uint8 with offsets `mins`, or int8 with mins None (Q8_0: w = d q) -> (N/4, K/32, 144)
+    uint8: per tile of 4 rows and block of 32, the 4 fp16 scales, the 4 fp16 offsets, then each row's 32 values, in the
+    order quant.cpp reads them. Where every block is symmetric (a Q8_0 tensor), the offsets are left out and the
+    values stored as int8: (N/4, K/32, 136), 6% fewer bytes to read. q, scale and mins may be strided views (of a
+    GGUF file's blocks): each is read once."""
+    N, K = q.shape[0], q[0].numel()
+    if mins is not None and torch.equal(mins.float(), -128 * scale.float()):
         q, mins = (q.to(torch.int16) - 128).to(torch.int8), None
     head = 8 if mins is None else 16
     out = torch.empty(N // 4, K // QK, head + 4 * QK, dtype=torch.uint8)  # written once, from strided views
-    out[..., head:].view(N // 4, K // QK, 4, QK).copy_(q.view(torch.uint8).reshape(N // 4, 4, K // QK, QK)
-                                                       .transpose(1, 2))
+    move(out[..., head:].view(N // 4, K // QK, 4, QK),
+         q.view(torch.uint8).reshape(N // 4, 4, K // QK, QK).transpose(1, 2))
     for i, t in enumerate([scale] if mins is None else [scale, mins]):
-        out[..., 8 * i:8 * i + 8].view(torch.float16).copy_(t.reshape(N // 4, 4, K // QK).transpose(1, 2))
+        move(out[..., 8 * i:8 * i + 8].view(torch.float16),
+             t.to(torch.float16).reshape(N // 4, 4, K // QK).transpose(1, 2))
     return out
 
 
@@ -90,13 +94,13 @@ class Int8Linear(QuantLinear):
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, bias: torch.Tensor | None,
                  backend: str):
-        """native: q (N, K) uint8, scale and mins (N, K/32), or int8 q with mins None (Q8_0); aten: q (N, K) int8,
-        scale (N,), mins None."""
+        """native: q (N, K) or (N, K/32, 32) uint8, scale and mins (N, K/32), or int8 q with mins None (Q8_0); aten:
+        q (N, K) int8, scale (N,), mins None."""
         super().__init__()
-        self.out_features, self.in_features = q.shape
+        self.out_features, self.in_features = q.shape[0], q[0].numel()
         self.backend = backend
         if backend == "native":
-            if not native_fits(*q.shape) or scale.dim() != 2 or (mins is None) != (q.dtype == torch.int8):
+            if not native_fits(self.out_features, self.in_features) or scale.dim() != 2 or (mins is None) != (q.dtype == torch.int8):
                 raise ValueError(f"native int8 needs block scales, out % 4 == 0 and in % 32 == 0; got {tuple(q.shape)}")
             self.register_buffer("qweight", pack_native(q, scale, mins))
         else:
@@ -123,9 +127,8 @@ class Int8Linear(QuantLinear):
     def from_tensors(cls, t: dict[str, torch.Tensor], bias: torch.Tensor | None = None, backend: str | None = None):
         """Builds the module from encode()'s tensors (or a Q8_0 GGUF tensor's). Block scales where the native kernel
         is missing are requantized per channel: the one case where a loaded checkpoint differs from the file."""
-        q, scale = t["qweight"], t["scales"].float()
-        mins = t["mins"].float() if "mins" in t else None
-        backend = cls.resolve_backend(q.shape, backend)
+        q, scale, mins = t["qweight"], t["scales"], t.get("mins")  # fp16 block scales: packed as they are
+        backend = cls.resolve_backend((q.shape[0], q[0].numel()), backend)
         if scale.dim() == 1:
             return cls(q, scale, None, bias, "aten")
         if backend != "native":

@@ -20,6 +20,7 @@ import torch
 
 from fastdecode.quant.kernels import native_ops
 from fastdecode.quant.linear import QuantLinear
+from fastdecode.quant.repack import move
 
 QK_K = 256
 FILE_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # a super-block in the file
@@ -32,14 +33,10 @@ def halves(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.float16).float()
 
 
-def scales_and_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's 12 scale bytes (..., 12) -> sc, m (..., 8) uint8 in 0..63: bytes 0-3 hold sc 0-3 in their low 6
-    bits, 4-7 m 0-3; bytes 8-11 hold sc 4-7 and m 4-7 in their nibbles, the top 2 bits of each coming from the high
-    bits of bytes 0-3 (sc) and 4-7 (m) (gguf's get_scale_min)."""
-    lo, hi, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 2) & 0x30)], dim=-1)
-    m = torch.cat([hi & 63, (mix >> 4) | ((hi >> 2) & 0x30)], dim=-1)
-    return sc, m
+def bytes_of(word: int, value: int) -> int:
+    """`value` repeated in every byte of a signed int`8 * word`: a bytewise mask for torch's signed integer types."""
+    v = int.from_bytes(bytes([value]) * word, "little")
+    return v - (1 << 8 * word) if v >= 1 << (8 * word - 1) else v
 
 
 def tiles(t: torch.Tensor) -> torch.Tensor:
@@ -48,22 +45,40 @@ def tiles(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """The file's blocks (N, K/256, FILE_BYTES) uint8 -> (N/4, K/256, TILE_BYTES) uint8 in kquant.cpp's layout."""
+    """The file's blocks (N, K/256, FILE_BYTES) uint8 -> (N/4, K/256, TILE_BYTES) uint8 in kquant.cpp's layout.
+
+    Written once into the output: byte runs are moved (repack.move), and Q4_K/Q5_K's nibble regrouping and 6-bit scale
+    unpacking run on 8- and 4-byte words with bytewise masks (a shift across bytes only moves bits the mask drops), 8
+    and 4 times fewer elements than bytes; blocks may be a strided view of a mapped file."""
     N, S, _ = blocks.shape
-    parts = [tiles(blocks[..., :2] if kind != "q6_k" else blocks[..., 208:210]).reshape(N // 4, S, 8)]  # d
+    out = torch.empty(N // 4, S, TILE_BYTES[kind], dtype=torch.uint8)
+    d_at = 208 if kind == "q6_k" else 0
+    move(out[..., :8].view(N // 4, S, 4, 2), tiles(blocks[..., d_at:d_at + 2]))  # d
     if kind == "q6_k":
-        sc = tiles(blocks[..., 192:208].reshape(N, S, 2, 8)).transpose(2, 3)  # (N/4, S, half, row, 8)
-        q = tiles(torch.cat([blocks[..., :128].reshape(N, S, 2, 64), blocks[..., 128:192].reshape(N, S, 2, 32)], -1))
-        parts += [sc.reshape(N // 4, S, 64), q.transpose(2, 3).reshape(N // 4, S, 768)]  # per half and row: ql, qh
-        return torch.cat(parts, dim=-1).contiguous()
-    sc, m = scales_and_mins(blocks[..., 4:16])
-    parts.append(tiles(blocks[..., 2:4]).reshape(N // 4, S, 8))  # dmin
-    for v in (sc, m):  # (pair, row, sub-block of the pair)
-        parts.append(tiles(v.reshape(N, S, 4, 2)).transpose(2, 3).reshape(N // 4, S, 32))
-    qs = blocks[..., -128:].reshape(N, S, 4, 2, 16)  # per pair p: bytes j and j + 16 of the file's 32
-    lo, hi = qs[..., 0, :], qs[..., 1, :]
+        move(out[..., 8:72].view(N // 4, S, 2, 4, 8), tiles(blocks[..., 192:208].reshape(N, S, 2, 8)).transpose(2, 3))
+        q = out[..., 72:].view(N // 4, S, 2, 4, 96)  # per half and row: ql (64 bytes), qh (32)
+        move(q[..., :64], tiles(blocks[..., :128].reshape(N, S, 2, 64)).transpose(2, 3))
+        move(q[..., 64:], tiles(blocks[..., 128:192].reshape(N, S, 2, 32)).transpose(2, 3))
+        return out
+    if blocks.data_ptr() % 8 or any(st % 8 for st in blocks.stride()[:-1]):
+        blocks = blocks.clone()  # the word views below need 8-byte alignment (file tensors and rows have it)
+    move(out[..., 8:16].view(N // 4, S, 4, 2), tiles(blocks[..., 2:4]))  # dmin
+    # The 12 scale bytes (gguf's get_scale_min): bytes 0-3 (lo) hold sc 0-3 in their low 6 bits, 4-7 (hi) m 0-3;
+    # bytes 8-11 (mix) hold sc 4-7 and m 4-7 in their nibbles, the top 2 bits of each from the high bits of lo (sc)
+    # and hi (m). sc, m (N, S, 8) in 0..63, as two 4-byte words.
+    lo, hi, mix = blocks[..., 4:16].view(torch.int32).unbind(-1)  # (N, S) each
+    sc = torch.stack([lo & bytes_of(4, 63), (mix & bytes_of(4, 15)) | ((lo >> 2) & bytes_of(4, 0x30))], -1)
+    m = torch.stack([hi & bytes_of(4, 63), ((mix >> 4) & bytes_of(4, 15)) | ((hi >> 2) & bytes_of(4, 0x30))], -1)
+    for at, v in ((16, sc), (48, m)):  # (N, S, 2) words = the 8 bytes -> per tile (pair, row, sub-block of the pair)
+        move(out[..., at:at + 32].view(N // 4, S, 4, 4, 2), tiles(v.view(torch.uint8).view(N, S, 4, 2)).transpose(2, 3))
+    words = blocks[..., -128:].view(torch.int64).view(N, S, 4, 2, 2)  # per pair p: bytes j and j + 16 of the 32
+    lo, hi = words[..., 0, :], words[..., 1, :]
     # Sub-block 2p is the pair's low nibbles, 2p + 1 its high ones; each becomes 16 bytes of q[j] | q[j + 16] << 4.
-    pairs = torch.cat([(lo & 15) | (hi << 4), (lo >> 4) | (hi & 0xF0)], dim=-1)  # (N, S, 4, 32)
+    low = (lo & bytes_of(8, 0x0F)) | ((hi << 4) & bytes_of(8, 0xF0))
+    high = ((lo >> 4) & bytes_of(8, 0x0F)) | (hi & bytes_of(8, 0xF0))
+    q = out[..., -512:].view(N // 4, S, 4, 4, 2, 16)  # (pair, row, sub-block 2p | 2p + 1, 16)
+    for i, v in enumerate((low, high)):
+        move(q[..., i, :], tiles(v.contiguous().view(torch.uint8).view(N, S, 4, 16)).transpose(2, 3))
     if kind == "q5_k":
         # Element 32 k + l's fifth bit is bit k of the file's byte l; ours: bit 2p (2p + 1) of byte j is that of the
         # low (high) nibble of pair p's byte j.
@@ -72,9 +87,8 @@ def pack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
         low, high = bits[..., 0, :].reshape(N, S, 4, 32), bits[..., 1, :].reshape(N, S, 4, 32)
         shift = 2 * torch.arange(4, dtype=torch.uint8)[:, None]
         fifth = ((low << shift) | (high << (shift + 1))).sum(2, dtype=torch.uint8)  # disjoint bits: sum is or
-        parts.append(tiles(fifth).reshape(N // 4, S, 128))
-    parts.append(tiles(pairs).transpose(2, 3).reshape(N // 4, S, 512))
-    return torch.cat(parts, dim=-1).contiguous()
+        move(out[..., 80:208].view(N // 4, S, 4, 32), tiles(fifth))
+    return out
 
 
 def dequantize(packed: torch.Tensor, kind: str) -> torch.Tensor:

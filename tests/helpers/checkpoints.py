@@ -21,7 +21,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as QType
 
-from tests.helpers import kquants
+from fastdecode.quant import kquant_blocks as kquants
 
 VOCAB_SIZE = 160
 # Added to every parameter after init: transformers initialises norms to ones (Gemma: zeros), which would hide

@@ -1,7 +1,8 @@
 """Writers of llama.cpp's K-quant blocks (Q4_K, Q5_K, Q6_K), which the `gguf` package reads but cannot write.
 
 A plain min/max fit per sub-block, not llama.cpp's error-minimising search: tests need valid blocks in the file's
-layout whose values follow the weights, not the best ones. `random_blocks` gives raw blocks of any bit pattern.
+layout whose values follow the weights, not the best ones. `random_blocks` gives raw blocks of any bit pattern, for
+tests and for bench/shapes.py's real-size files (whose speed depends on shapes and bytes, not values).
 """
 import numpy as np
 from gguf import GGMLQuantizationType as QType
