@@ -92,6 +92,8 @@ FEATURES = [
     ("gemma3_hf", {"query_pre_attn_scalar": None}),
     ("gemma3_hf", {"rope_local_base_freq": 10000.0}),
     ("gemma3_hf", {"final_logit_softcapping": None}),
+    ("qwen3_moe", {"norm_topk_prob": False}),
+    ("qwen3_moe_hf", {"norm_topk_prob": True}),
 ]
 
 
