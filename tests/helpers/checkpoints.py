@@ -99,6 +99,9 @@ KQUANT_SPECS = {
     "qwen2_k": Spec("Qwen2ForCausalLM", "Qwen2Config",
                     dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64,
                          tie_word_embeddings=True, rope_theta=1e6), "qwen2"),
+    "qwen3_moe_k": Spec("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                        dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=2,
+                             head_dim=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True), "qwen3moe"),
 }
 GGUF_NAME_MAPS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
                   "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "gemma3": gguf.MODEL_ARCH.GEMMA3}

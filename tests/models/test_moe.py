@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 from torch import nn
 
 from fastdecode import LLM, SamplingParams
@@ -13,10 +14,12 @@ from fastdecode.config import ModelConfig
 from fastdecode.errors import UnsupportedModelError
 from fastdecode.loading import load_model
 from fastdecode.loading.gguf_file import GGUFFile
+from fastdecode.loading.gguf_native import load_gguf_native
 from fastdecode.models.moe import Router, SparseMoE
-from fastdecode.quant import Int8Linear, quantize_model
-from tests.helpers.checkpoints import (checkpoint, max_diff, our_run, prompt_tokens, quantized_checkpoint,
+from fastdecode.quant import Int8Linear, KQuantLinear, quantize_model
+from tests.helpers.checkpoints import (checkpoint, kquant_gguf, max_diff, our_run, prompt_tokens, quantized_checkpoint,
                                        reference_run, single_thread)
+from tests.helpers.tiny import logits
 
 PROMPT = prompt_tokens(24)
 STEPS = 32
@@ -42,6 +45,22 @@ def test_gguf_experts_kept_in_their_format_match_transformers(quantized):
     assert max_diff(ours.prefill_logits, ref.prefill_logits) <= ATOL
     assert max_diff(ours.step_logits, ref.step_logits) <= ATOL
     assert ours.tokens == ref.tokens
+
+
+def test_k_quant_experts_are_kquant_modules_holding_the_files_values():
+    # As Q4_K_M files store them: experts Q4_K, down projections Q6_K, the router F32.
+    path = kquant_gguf("qwen3_moe_k", {"ffn_down_exps": QType.Q6_K, "ffn_gate_inp": QType.F32})
+    kept, ref = load_gguf_native(path, backend="aten"), load_model(path)  # aten: K-quants dequantize exactly
+    for layer in range(2):
+        for e in (0, 3):
+            for name, kind in (("gate_up_proj", "q4_k"), ("down_proj", "q6_k")):
+                m = kept.get_submodule(f"layers.{layer}.mlp.experts.{e}.{name}")
+                w = ref.get_submodule(f"layers.{layer}.mlp.experts.{e}.{name}").weight
+                assert isinstance(m, KQuantLinear) and m.kind == kind
+                assert torch.equal(m(torch.eye(w.shape[1])).T, w)
+    tokens = torch.tensor([PROMPT])
+    expected, out = logits(ref, tokens), logits(load_model(path, quant="gguf"), tokens)
+    assert (out - expected).norm() / expected.norm() < 0.05  # native kernels round activations to int8 per block
 
 
 def test_each_routed_expert_runs_once_over_all_its_rows_and_the_rest_never():
