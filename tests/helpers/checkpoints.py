@@ -70,6 +70,18 @@ SPECS = {
                    dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, sliding_window=4,
                         query_pre_attn_scalar=16, rope_theta=1e6, rope_local_base_freq=10000.0), "gemma3",
                    seed=1),  # tied embeddings make seed 0's greedy decode echo a few tokens; seed 1 wanders
+    # What only config.json can say: free layer_types, query_pre_attn_scalar != head_dim, another local rope base,
+    # final logit soft-capping, an untied lm_head.
+    "gemma3_hf": Spec("Gemma3ForCausalLM", "Gemma3TextConfig",
+                      dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, sliding_window=6,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                        "sliding_attention"],
+                           query_pre_attn_scalar=24, rope_theta=10000.0, rope_local_base_freq=100.0,
+                           final_logit_softcapping=30.0, tie_word_embeddings=False), None),
+}
+# Mixture-of-experts models, kept out of SPECS: the native whole-model step (and its tests over SPECS) has no MoE
+# block; the family, loader and engine tests take both.
+MOE_SPECS = {
     # Qwen3-Coder-30B-A3B's layout in small: every layer sparse, top 3 of 8 experts renormalised (what a qwen3moe GGUF
     # can say). Expert rows of 32 so that Q8_0 blocks fit the down projection.
     "qwen3_moe": Spec("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
@@ -81,16 +93,8 @@ SPECS = {
                          dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
                               num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
                               mlp_only_layers=[2]), None),
-    # What only config.json can say: free layer_types, query_pre_attn_scalar != head_dim, another local rope base,
-    # final logit soft-capping, an untied lm_head.
-    "gemma3_hf": Spec("Gemma3ForCausalLM", "Gemma3TextConfig",
-                      dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, sliding_window=6,
-                           layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                                        "sliding_attention"],
-                           query_pre_attn_scalar=24, rope_theta=10000.0, rope_local_base_freq=100.0,
-                           final_logit_softcapping=30.0, tie_word_embeddings=False), None),
 }
-GGUF_SPECS = [name for name, spec in SPECS.items() if spec.gguf_arch]
+GGUF_SPECS = [name for name, spec in {**SPECS, **MOE_SPECS}.items() if spec.gguf_arch]
 # K-quants take rows of 256 weights: models wide enough for them (4 heads of 64), kept out of SPECS so that the
 # family tests do not grow.
 KQUANT_SPECS = {
@@ -116,8 +120,12 @@ class Checkpoint:
 
 
 # ---- building ------------------------------------------------------------------------------------------------
+def spec_of(name: str) -> Spec:
+    return {**SPECS, **MOE_SPECS, **KQUANT_SPECS}[name]
+
+
 def build_model(name: str) -> transformers.PreTrainedModel:
-    spec = SPECS[name] if name in SPECS else KQUANT_SPECS[name]
+    spec = spec_of(name)
     config = getattr(transformers, spec.config_class)(**{**COMMON, **spec.config})
     torch.manual_seed(spec.seed)
     model = getattr(transformers, spec.model_class)(config).eval()
@@ -142,9 +150,9 @@ def checkpoint(name: str) -> Checkpoint:
     model = build_model(name)
     ckpt = Checkpoint(name, model, hf_dir=scratch_dir() / name)
     model.save_pretrained(ckpt.hf_dir)
-    if SPECS[name].gguf_arch:
+    if spec_of(name).gguf_arch:
         ckpt.gguf_path = scratch_dir() / f"{name}.gguf"
-        write_gguf(model, ckpt.gguf_path, SPECS[name].gguf_arch)
+        write_gguf(model, ckpt.gguf_path, spec_of(name).gguf_arch)
     return ckpt
 
 
@@ -189,8 +197,9 @@ def quantized_checkpoint(name: str) -> Checkpoint:
     """A GGUF with Q8_0 and F16 tensors; its reference model holds the weights the file dequantizes to."""
     model = build_model(name)
     path = scratch_dir() / f"{name}-q8_0.gguf"
-    write_gguf(model, path, SPECS[name].gguf_arch, tensor_type=quantized_type)
-    return Checkpoint(f"{name}-q8_0", rounded_copy(model, SPECS[name].gguf_arch, quantized_type), gguf_path=path)
+    arch = spec_of(name).gguf_arch
+    write_gguf(model, path, arch, tensor_type=quantized_type)
+    return Checkpoint(f"{name}-q8_0", rounded_copy(model, arch, quantized_type), gguf_path=path)
 
 
 def kquant_gguf(name: str, types: dict[str, QType]) -> Path:
