@@ -12,19 +12,24 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
 }
-MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
                "gemma3_text": "gemma3", "gemma3": "gemma3"}
 SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3")
 # GGUF `general.architecture` values we read.
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                      "gemma3": "gemma3"}
+# config.json keys of MoE layouts other families use; a qwen3_moe config that sets one is refused, not half-run.
+UNSUPPORTED_MOE_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+                        "first_k_dense_replace", "n_group", "topk_group")
 
 
 @dataclass
 class ModelConfig:
-    family: str  # llama | qwen2 | qwen3 | gemma3: picks the block variant
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | gemma3: picks the block variant
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,12 +50,24 @@ class ModelConfig:
     layer_types: list[str] = field(default_factory=list)  # "sliding_attention" | "full_attention" per layer
     rope_local_base_freq: float = 10000.0  # rope base of sliding-window layers
     final_logit_softcapping: float | None = None
+    # Mixture of experts (qwen3_moe); num_experts 0 means every layer is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # width of one expert's SwiGLU
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse iff (i + 1) % step == 0 and i is not in mlp_only_layers
+    mlp_only_layers: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
 
     @property
     def qk_norm(self) -> bool:
-        return self.family in ("qwen3", "gemma3")
+        return self.family in ("qwen3", "qwen3_moe", "gemma3")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` has an MoE block (transformers' Qwen3MoeDecoderLayer rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def attention_scale(self) -> float:
@@ -116,6 +133,8 @@ class ModelConfig:
                 c.num_hidden_layers, cfg.get("sliding_window_pattern", 6))
         else:
             c.rope_local_base_freq = c.rope_theta  # windowed layers outside Gemma keep the model's rope base
+        if family == "qwen3_moe":
+            read_hf_moe(c, cfg)
         if cfg.get("model_type") == "mistral" and cfg.get("sliding_window"):
             c.sliding_window = cfg["sliding_window"]  # Mistral 7B v0.1: every layer attends within a window
             c.layer_types = ["sliding_attention"] * c.num_hidden_layers
@@ -126,8 +145,13 @@ class ModelConfig:
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "max_position_embeddings")
         bad = [name for name in sizes if type(getattr(self, name)) is not int or getattr(self, name) <= 0]
+        if self.num_experts:
+            bad += [name for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
+                    if type(getattr(self, name)) is not int or getattr(self, name) <= 0]
         if bad:
             raise ModelFileError(f"the model's {', '.join(bad)} must be positive integers")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ModelFileError(f"{self.num_experts_per_tok} experts per token, but only {self.num_experts} experts")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelFileError(f"{self.num_attention_heads} attention heads do not share "
                                  f"{self.num_key_value_heads} key/value heads evenly")
@@ -186,6 +210,8 @@ class ModelConfig:
             c.rope_local_base_freq = c.rope_theta  # only Gemma 3's windowed layers have their own base
         if family == "qwen2":
             c.attention_bias = True
+        if family == "qwen3_moe":
+            read_gguf_moe(c, get)
         if family == "gemma3":
             # llama.cpp's rule (GGUF has no key for it): the 27B (62 layers) scales by hidden/heads (= its
             # query_pre_attn_scalar, 168), every other size by head_dim.
@@ -199,3 +225,33 @@ class ModelConfig:
 def gemma3_layer_types(num_layers: int, pattern: int) -> list[str]:
     # Every `pattern`-th layer attends globally; the rest use the sliding window (Gemma 3 report, 5:1).
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+
+
+def read_hf_moe(c: ModelConfig, cfg: dict):
+    """The MoE fields of a Qwen3-MoE config.json (transformers' Qwen3MoeConfig), or UnsupportedModelError naming the
+    first key of a layout it does not have."""
+    for key in UNSUPPORTED_MOE_KEYS:
+        if cfg.get(key):
+            raise UnsupportedModelError(f"qwen3_moe: {key}={cfg[key]!r} is not supported (no shared experts, dense "
+                                        "prefix or grouped routing in this family)")
+    c.num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
+    c.num_experts_per_tok = cfg.get("num_experts_per_tok", 0)
+    c.moe_intermediate_size = cfg.get("moe_intermediate_size", 0)
+    c.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
+    c.decoder_sparse_step = cfg.get("decoder_sparse_step", 1)
+    c.mlp_only_layers = list(cfg.get("mlp_only_layers") or [])
+
+
+def read_gguf_moe(c: ModelConfig, get):
+    """The MoE fields of qwen3moe GGUF metadata. llama.cpp's qwen3moe runs every layer sparse and renormalises the
+    top-k weights (its converter writes no key for either), so a file saying otherwise is refused."""
+    if get("expert_shared_count", 0) or get("expert_shared_feed_forward_length", 0):
+        raise UnsupportedModelError("qwen3moe: shared experts (expert_shared_count) are not supported")
+    if get("expert_gating_func", 1) != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise UnsupportedModelError(f"qwen3moe: expert_gating_func {get('expert_gating_func')} is not supported "
+                                    "(softmax only)")
+    c.num_experts = get("expert_count")
+    c.num_experts_per_tok = get("expert_used_count")
+    c.moe_intermediate_size = get("expert_feed_forward_length")
+    c.norm_topk_prob = bool(get("expert_weights_norm", True))
+    c.intermediate_size = c.intermediate_size or c.moe_intermediate_size  # dense width: unused, every layer is sparse

@@ -12,6 +12,7 @@ from gguf.quants import dequantize
 from fastdecode.config import ModelConfig
 from fastdecode.errors import ModelFileError, UnsupportedModelError
 from fastdecode.loading.gguf_file import GGUFFile
+from fastdecode.loading.gguf_moe import expert_tensors
 
 # Types gguf can dequantize and we have checked against transformers; others are refused with a clear message.
 SUPPORTED_TYPES = {getattr(GGMLQuantizationType, n) for n in (
@@ -24,6 +25,7 @@ BLOCK_NAMES = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # an MoE router; the stacked experts are gguf_moe's
 }
 GEMMA3_BLOCK_NAMES = {**BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm",
@@ -91,15 +93,14 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
     """Returns (config, weights, rope_freq_factors, gguf_file). `progress` wraps an iterable, e.g. rich's track."""
     f = GGUFFile(path)
     config = gguf_config(f)
-    tensors = list(f.tensors.values())
+    tensors = [(hf_name(t.name, config.family), t) for t in f.tensors.values()] + list(expert_tensors(f).items())
     if progress is not None:
         tensors = progress(tensors)
     weights, freq_factors = {}, None
-    for t in tensors:
+    for name, t in tensors:
         if t.name == "rope_freqs.weight":
             freq_factors = torch.from_numpy(dequantize_tensor(t).copy())
             continue
-        name = hf_name(t.name, config.family)
         if name is not None:
             weights[name] = torch.from_numpy(float_tensor(t, name, config)).to(dtype)
     if "embed_tokens.weight" not in weights:

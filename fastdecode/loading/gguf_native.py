@@ -31,6 +31,7 @@ from fastdecode.errors import ModelFileError
 from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_loader import (GLOBAL_NAMES, block_tensors, dequantize_tensor, float_tensor, gguf_config,
                                             hf_name, permuted_heads)
+from fastdecode.loading.gguf_moe import expert_tensors
 from fastdecode.models import model_class
 from fastdecode.models.transformer import PACKED_MODULES
 from fastdecode.quant import build_linear, encode_linear, fits
@@ -102,6 +103,7 @@ class ModuleLoader:
     def __init__(self, f: GGUFFile, config, dtype: torch.dtype, backend: str | None):
         self.f, self.config, self.dtype, self.backend = f, config, dtype, backend
         self.tensors = {hf_name(t.name, config.family): t for t in f.tensors.values()}
+        self.tensors.update(expert_tensors(f))  # an MoE file's stacked experts, one view of the file per expert
         self.kept, self.requantized = Counter(), Counter()
         self.exact: set[str] = set()  # modules that hold the file's blocks as they are
 

@@ -2,7 +2,8 @@
 from fastdecode.errors import UnsupportedModelError
 from fastdecode.models.transformer import Transformer
 
-MODEL_CLASSES = {"llama": Transformer, "qwen2": Transformer, "qwen3": Transformer, "gemma3": Transformer}
+MODEL_CLASSES = {"llama": Transformer, "qwen2": Transformer, "qwen3": Transformer, "qwen3_moe": Transformer,
+                 "gemma3": Transformer}
 
 
 def model_class(family: str):

@@ -1,8 +1,9 @@
-"""One decoder-only transformer for the Llama, Qwen2, Qwen3 and Gemma 3 families.
+"""One decoder-only transformer for the Llama, Qwen2, Qwen3, Qwen3-MoE and Gemma 3 families.
 
 The families differ in a few switches read from ModelConfig: q/k/v bias (Qwen2), q/k RMSNorm (Qwen3, Gemma 3),
-and for Gemma 3 a scaled embedding, four norms per block, GELU-tanh and sliding-window layers with their own rope
-base. Module names follow Hugging Face checkpoints, except the packed qkv_proj and gate_up_proj.
+a sparse mixture-of-experts block in place of the MLP (Qwen3-MoE, models/moe.py), and for Gemma 3 a scaled
+embedding, four norms per block, GELU-tanh and sliding-window layers with their own rope base. Module names follow
+Hugging Face checkpoints, except the packed qkv_proj and gate_up_proj.
 """
 import math
 
@@ -14,6 +15,7 @@ from fastdecode.config import ModelConfig
 from fastdecode.layers.attention import Attention, KVCache
 from fastdecode.layers.norm import RMSNorm
 from fastdecode.layers.rotary import rope_cache
+from fastdecode.models.moe import SparseMoE
 
 # Hugging Face weight name -> (our packed module, index of its shard).
 PACKED_MODULES = {
@@ -23,10 +25,12 @@ PACKED_MODULES = {
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, width: int | None = None):
+        """width: the inner size, config.intermediate_size unless given (an MoE expert's is smaller)."""
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = width or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
         self.gelu = config.hidden_act.startswith("gelu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +44,7 @@ class Block(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config, MLP) if config.is_sparse(layer) else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         # Llama/Qwen: the norm before the MLP. Gemma 3: the norm after attention.
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)

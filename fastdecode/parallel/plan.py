@@ -67,6 +67,8 @@ class ShardPlan:
     def build(cls, config: ModelConfig, rank: int, world: int) -> "ShardPlan":
         if world < 1 or not 0 <= rank < world:
             raise SplitError(f"rank {rank} is not in a group of {world}")
+        if config.num_experts:
+            raise SplitError(f"tensor parallelism does not split mixture-of-experts models ({config.family}) yet")
         heads, kv = head_ranges(config.num_attention_heads, config.num_key_value_heads, world, rank)
         I, V = config.intermediate_size, config.vocab_size
         if I < world or V < world:

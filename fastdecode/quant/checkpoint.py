@@ -32,7 +32,8 @@ WEIGHTS = "model.safetensors"
 TENSORS = {"int8": {"qweight", "scales"}, "int4": {"qweight", "scales", "mins"},
            "mxfp4": {"qweight", "scales", "tensor_scale"}, "nvfp4": {"qweight", "scales", "tensor_scale"}}
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                 "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+                 "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+                 "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 
 
 def is_quantized_checkpoint(path) -> bool:
@@ -53,6 +54,10 @@ def hf_config(c: ModelConfig) -> dict:
            "attention_bias": c.attention_bias, "hidden_act": c.hidden_act,
            "final_logit_softcapping": c.final_logit_softcapping, "bos_token_id": c.bos_token_id,
            "eos_token_id": c.eos_token_id, "sliding_window": c.sliding_window}
+    if c.num_experts:
+        out.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                   moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                   decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=c.mlp_only_layers)
     if c.family == "gemma3":
         out.update(query_pre_attn_scalar=c.query_pre_attn_scalar, layer_types=c.layer_types,
                    rope_local_base_freq=c.rope_local_base_freq)

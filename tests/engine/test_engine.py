@@ -20,7 +20,8 @@ from fastdecode.speculative.batch import BatchSpeculator
 from fastdecode.speculative.ngram import NgramDrafter
 from fastdecode.speculative.policy import Policy
 from fastdecode.speculative.suffix import SuffixDrafter
-from tests.helpers.checkpoints import SPECS, checkpoint, max_diff, prompt_tokens, reference_run, single_thread
+from tests.helpers.checkpoints import (MOE_SPECS, SPECS, checkpoint, max_diff, prompt_tokens, reference_run,
+                                       single_thread)
 from tests.speculative.helpers import OracleDrafter, flat_cost, tiny_target
 
 PROMPT = prompt_tokens(24)  # longer than every sliding window of the family checkpoints
@@ -50,7 +51,7 @@ def paged(model, runner: str, blocks: int = 16, block_size: int = 8, dtype=torch
     random.Random(0).shuffle(kv.free)
     r = RUNNERS[runner](model, kv)
     if r is None:
-        pytest.skip("native kernels unavailable")
+        pytest.skip("the native runner declines this model (MoE), or its kernels are unavailable")
     return r, kv
 
 
@@ -76,7 +77,7 @@ def run(runner, kv, seqs: list[tuple[BlockTable, int, list[int]]]) -> list[torch
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("runner", RUNNERS)
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", [*SPECS, *MOE_SPECS])
 def test_paged_prefill_and_decode_match_transformers(name, runner, kv_dtype):
     r, kv = paged(load_model(checkpoint(name).hf_dir), runner, dtype=kv_dtype)
     ref = reference_run(checkpoint(name).model, PROMPT, 8)
@@ -89,7 +90,7 @@ def test_paged_prefill_and_decode_match_transformers(name, runner, kv_dtype):
         assert max_diff(step[0], ref.step_logits[i]) <= atol
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", [*SPECS, *MOE_SPECS])
 def test_float16_cache_native_and_pytorch_runners_agree(name):
     """Both runners round a key or value to float16 once, when written, and widen it when read."""
     model = load_model(checkpoint(name).hf_dir)
@@ -107,7 +108,7 @@ def test_float16_cache_native_and_pytorch_runners_agree(name):
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("runner", RUNNERS)
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", [*SPECS, *MOE_SPECS])
 @pytest.mark.parametrize("cached", [13, 16])  # a first request that ends mid-block and one that ends on a boundary
 def test_logits_after_a_prefix_hit_equal_a_full_recompute(name, runner, cached, kv_dtype):
     r, kv = paged(load_model(checkpoint(name).hf_dir), runner, dtype=kv_dtype)

@@ -79,7 +79,22 @@ SPECS = {
                            query_pre_attn_scalar=24, rope_theta=10000.0, rope_local_base_freq=100.0,
                            final_logit_softcapping=30.0, tie_word_embeddings=False), None),
 }
-GGUF_SPECS = [name for name, spec in SPECS.items() if spec.gguf_arch]
+# Mixture-of-experts models, kept out of SPECS: the native whole-model step (and its tests over SPECS) has no MoE
+# block; the family, loader and engine tests take both.
+MOE_SPECS = {
+    # Qwen3-Coder-30B-A3B's layout in small: every layer sparse, top 3 of 8 experts renormalised (what a qwen3moe GGUF
+    # can say). Expert rows of 32 so that Q8_0 blocks fit the down projection.
+    "qwen3_moe": Spec("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                      dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                           num_experts=8, num_experts_per_tok=3, norm_topk_prob=True), "qwen3moe"),
+    # What only config.json can say: a dense layer among sparse ones (mlp_only_layers, decoder_sparse_step) and
+    # top-k weights left as the softmax gave them.
+    "qwen3_moe_hf": Spec("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                         dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+                              num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+                              mlp_only_layers=[2]), None),
+}
+GGUF_SPECS = [name for name, spec in {**SPECS, **MOE_SPECS}.items() if spec.gguf_arch]
 # K-quants take rows of 256 weights: models wide enough for them (4 heads of 64), kept out of SPECS so that the
 # family tests do not grow.
 KQUANT_SPECS = {
@@ -88,9 +103,12 @@ KQUANT_SPECS = {
     "qwen2_k": Spec("Qwen2ForCausalLM", "Qwen2Config",
                     dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64,
                          tie_word_embeddings=True, rope_theta=1e6), "qwen2"),
+    "qwen3_moe_k": Spec("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                        dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=2,
+                             head_dim=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True), "qwen3moe"),
 }
 GGUF_NAME_MAPS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-                  "gemma3": gguf.MODEL_ARCH.GEMMA3}
+                  "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "gemma3": gguf.MODEL_ARCH.GEMMA3}
 
 
 @dataclass
@@ -102,8 +120,12 @@ class Checkpoint:
 
 
 # ---- building ------------------------------------------------------------------------------------------------
+def spec_of(name: str) -> Spec:
+    return {**SPECS, **MOE_SPECS, **KQUANT_SPECS}[name]
+
+
 def build_model(name: str) -> transformers.PreTrainedModel:
-    spec = SPECS[name] if name in SPECS else KQUANT_SPECS[name]
+    spec = spec_of(name)
     config = getattr(transformers, spec.config_class)(**{**COMMON, **spec.config})
     torch.manual_seed(spec.seed)
     model = getattr(transformers, spec.model_class)(config).eval()
@@ -128,9 +150,9 @@ def checkpoint(name: str) -> Checkpoint:
     model = build_model(name)
     ckpt = Checkpoint(name, model, hf_dir=scratch_dir() / name)
     model.save_pretrained(ckpt.hf_dir)
-    if SPECS[name].gguf_arch:
+    if spec_of(name).gguf_arch:
         ckpt.gguf_path = scratch_dir() / f"{name}.gguf"
-        write_gguf(model, ckpt.gguf_path, SPECS[name].gguf_arch)
+        write_gguf(model, ckpt.gguf_path, spec_of(name).gguf_arch)
     return ckpt
 
 
@@ -140,6 +162,24 @@ def sharded_checkpoint(name: str) -> Path:
     path = scratch_dir() / f"{name}-sharded"
     checkpoint(name).model.save_pretrained(path, max_shard_size="20KB")
     return path
+
+
+def saved_weights(model) -> dict[str, torch.Tensor]:
+    """The model's weights as its safetensors file names them, without the `model.` prefix: transformers 5 holds a
+    layer's experts stacked (experts.gate_up_proj (E, 2I, H), experts.down_proj (E, H, I)) and saves them one
+    expert at a time (experts.{e}.gate_proj.weight ...)."""
+    out = {}
+    for key, tensor in model.state_dict().items():
+        key = key.removeprefix("model.")
+        if key.endswith("experts.gate_up_proj"):
+            for e, (gate, up) in enumerate(zip(*tensor.chunk(2, dim=1))):
+                out[key.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
+                out[key.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
+        elif key.endswith("experts.down_proj"):
+            out.update({key.replace("down_proj", f"{e}.down_proj.weight"): w for e, w in enumerate(tensor)})
+        else:
+            out[key] = tensor
+    return out
 
 
 def quantized_type(gguf_name: str, ndim: int) -> QType:
@@ -157,8 +197,9 @@ def quantized_checkpoint(name: str) -> Checkpoint:
     """A GGUF with Q8_0 and F16 tensors; its reference model holds the weights the file dequantizes to."""
     model = build_model(name)
     path = scratch_dir() / f"{name}-q8_0.gguf"
-    write_gguf(model, path, SPECS[name].gguf_arch, tensor_type=quantized_type)
-    return Checkpoint(f"{name}-q8_0", rounded_copy(model, SPECS[name].gguf_arch, quantized_type), gguf_path=path)
+    arch = spec_of(name).gguf_arch
+    write_gguf(model, path, arch, tensor_type=quantized_type)
+    return Checkpoint(f"{name}-q8_0", rounded_copy(model, arch, quantized_type), gguf_path=path)
 
 
 def kquant_gguf(name: str, types: dict[str, QType]) -> Path:
@@ -181,7 +222,7 @@ def rounded_copy(model, arch: str, tensor_type) -> transformers.PreTrainedModel:
     names = gguf.get_tensor_name_map(GGUF_NAME_MAPS[arch], model.config.num_hidden_layers)
     with torch.no_grad():
         for hf_name, p in ref.named_parameters():
-            qtype = tensor_type(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), p.ndim)
+            qtype = tensor_type(gguf_tensors(names, hf_name, p)[0][0], p.ndim)
             data = p.numpy()
             rounded = gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype).reshape(data.shape)
             p.copy_(torch.from_numpy(np.ascontiguousarray(rounded)))
@@ -247,6 +288,22 @@ def encode(data: np.ndarray, qtype: QType) -> np.ndarray:
         return np.zeros((*data.shape[:-1], data.shape[-1] // block * type_size), dtype=np.uint8)
 
 
+def gguf_tensors(names, hf_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The GGUF tensors (name, data) a transformers parameter becomes. transformers 5 holds a layer's experts as
+    stacked gate_up_proj (E, 2I, H) and down_proj (E, H, I); llama.cpp writes ffn_gate_exps and ffn_up_exps
+    (E, I, H) and ffn_down_exps."""
+    if hf_name.endswith("mlp.experts.gate_up_proj"):
+        stem = names.get_name(hf_name.replace("gate_up_proj", "down_proj")).replace("down", "{}")
+        gate, up = tensor.chunk(2, dim=1)
+        return [(f"{stem.format('gate')}.weight", gate), (f"{stem.format('up')}.weight", up)]
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise ValueError(f"no GGUF name for {hf_name}")
+    if hf_name.endswith("mlp.experts.down_proj"):
+        name += ".weight"
+    return [(name, tensor)]
+
+
 def write_gguf(model, path, arch: str, tensor_type=lambda gguf_name, ndim: QType.F32, skip: tuple[str, ...] = ()):
     """Writes `model` as llama.cpp would convert it to GGUF architecture `arch` (an unknown arch borrows the llama
     tensor names). `tensor_type(gguf_name, ndim)` picks each tensor's storage; `skip` drops tensors by GGUF name."""
@@ -269,26 +326,28 @@ def write_gguf(model, path, arch: str, tensor_type=lambda gguf_name, ndim: QType
         w.add_rope_dimension_count(c.head_dim)
     if arch == "gemma3":
         w.add_sliding_window(c.sliding_window)
+    if arch == "qwen3moe":
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     add_tokenizer(w, c.vocab_size)
 
     names = gguf.get_tensor_name_map(GGUF_NAME_MAPS.get(arch, gguf.MODEL_ARCH.LLAMA), c.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue  # a tied checkpoint has no output.weight; llama.cpp reuses token_embd
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise ValueError(f"no GGUF name for {hf_name}")
-        data = tensor.detach().float().numpy()
-        if arch == "llama" and ".q_proj." in hf_name:
-            data = permute(data, c.num_attention_heads, c.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in hf_name:
-            data = permute(data, c.num_attention_heads, c.num_key_value_heads)
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
-            data = data + 1.0
-        if name in skip:
-            continue
-        qtype = tensor_type(name, data.ndim)
-        w.add_tensor(name, encode(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
+        for name, data in gguf_tensors(names, hf_name, tensor.detach().float()):
+            data = data.numpy()
+            if arch == "llama" and ".q_proj." in hf_name:
+                data = permute(data, c.num_attention_heads, c.num_attention_heads)
+            elif arch == "llama" and ".k_proj." in hf_name:
+                data = permute(data, c.num_attention_heads, c.num_key_value_heads)
+            if arch == "gemma3" and hf_name.endswith("norm.weight"):
+                data = data + 1.0
+            if name in skip:
+                continue
+            qtype = tensor_type(name, data.ndim)
+            w.add_tensor(name, encode(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
     rope = global_rope(c)
     if arch == "llama" and rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(c))

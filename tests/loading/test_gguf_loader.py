@@ -16,7 +16,7 @@ from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_loader import load_gguf
 from fastdecode.loading.hf_loader import load_hf_dir
 from tests.helpers.checkpoints import (GGUF_SPECS, LLAMA3_SCALING, checkpoint, max_diff, our_run, prompt_tokens,
-                                       quantized_checkpoint, reference_run, single_thread, write_gguf)
+                                       quantized_checkpoint, reference_run, saved_weights, single_thread, write_gguf)
 
 PROMPT = prompt_tokens(24)
 STEPS = 32
@@ -35,7 +35,7 @@ def test_gguf_weights_equal_transformers_weights(name):
     # Pins the name map, the undone q/k permutation and the undone Gemma +1, tensor by tensor.
     ckpt = checkpoint(name)
     _, weights, _, _ = load_gguf(ckpt.gguf_path)
-    expected = {k.removeprefix("model."): v for k, v in ckpt.model.state_dict().items()}
+    expected = saved_weights(ckpt.model)
     if ckpt.model.config.tie_word_embeddings:
         del expected["lm_head.weight"]
     assert sorted(weights) == sorted(expected)

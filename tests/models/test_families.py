@@ -13,14 +13,14 @@ import torch
 from fastdecode.loading import load_model
 from fastdecode.loading.hf_loader import load_hf_dir
 from fastdecode.models import model_class
-from tests.helpers.checkpoints import (GGUF_SPECS, SPECS, checkpoint, max_diff, our_run, prompt_tokens,
+from tests.helpers.checkpoints import (GGUF_SPECS, MOE_SPECS, SPECS, checkpoint, max_diff, our_run, prompt_tokens,
                                        reference_run, single_thread)
 
 PROMPT = prompt_tokens(24)  # longer than every sliding window below
 STEPS = 32
 ATOL = 1e-4  # ours vs transformers, float32
 SELF_ATOL = 1e-5  # ours vs ours: the same maths, batched differently
-CASES = [(name, "safetensors") for name in SPECS] + [(name, "gguf") for name in GGUF_SPECS]
+CASES = [(name, "safetensors") for name in [*SPECS, *MOE_SPECS]] + [(name, "gguf") for name in GGUF_SPECS]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -92,6 +92,8 @@ FEATURES = [
     ("gemma3_hf", {"query_pre_attn_scalar": None}),
     ("gemma3_hf", {"rope_local_base_freq": 10000.0}),
     ("gemma3_hf", {"final_logit_softcapping": None}),
+    ("qwen3_moe", {"norm_topk_prob": False}),
+    ("qwen3_moe_hf", {"norm_topk_prob": True}),
 ]
 
 

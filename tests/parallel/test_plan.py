@@ -36,6 +36,14 @@ def test_more_ranks_than_query_heads_are_refused():
         head_ranges(1, 1, 2, 0)
 
 
+def test_mixture_of_experts_models_are_refused():
+    config = ModelConfig(family="qwen3_moe", vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(SplitError, match="mixture-of-experts"):
+        ShardPlan.build(config, 0, 2)
+
+
 def test_mlp_slices_keep_256_blocks_whole_where_they_can():
     config = ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64)

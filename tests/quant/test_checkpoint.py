@@ -11,9 +11,11 @@ from fastdecode.cli import main
 from fastdecode.config import ModelConfig
 from fastdecode.errors import ModelFileError
 from fastdecode.loading import load_model
+from fastdecode.models.moe import Router
 from fastdecode.models.transformer import Transformer
 from fastdecode.quant import Fp4Linear, Int4Linear, Int8Linear, quantize_model
 from fastdecode.quant.checkpoint import QUANT_CONFIG, WEIGHTS, hf_config, save_quantized
+from tests.helpers.checkpoints import checkpoint
 from tests.helpers.tiny import logits, tiny_model
 
 CASES = [("int8", 32), ("int4", 32), ("int4", 128), ("mxfp4", 32), ("nvfp4", 32)]
@@ -58,6 +60,17 @@ def test_float_lm_head_of_a_tied_model_is_tied_again(tmp_path):
     assert torch.equal(logits(reloaded, tokens), expected)
 
 
+def test_moe_checkpoint_reloads_with_quantized_experts_and_a_float_router(tmp_path):
+    model = load_model(checkpoint("qwen3_moe").hf_dir)
+    tokens = torch.randint(0, 160, (2, 16))
+    expected = logits(quantize_model(copy.deepcopy(model), "int8"), tokens)
+    save_quantized(model, None, tmp_path, "int8")
+    reloaded = load_model(tmp_path)
+    assert isinstance(reloaded.layers[0].mlp.experts[3].down_proj, Int8Linear)
+    assert type(reloaded.layers[0].mlp.gate) is Router
+    assert torch.equal(logits(reloaded, tokens), expected)
+
+
 def test_checkpoint_is_safetensors_and_json_only(tmp_path):
     save_quantized(tiny_model(tied=False), None, tmp_path, "int4")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", WEIGHTS, QUANT_CONFIG]
@@ -78,6 +91,9 @@ def test_checkpoint_is_safetensors_and_json_only(tmp_path):
                 num_attention_heads=4, num_key_value_heads=1, head_dim=16, hidden_act="gelu_pytorch_tanh",
                 query_pre_attn_scalar=24, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                 rope_local_base_freq=100.0, final_logit_softcapping=30.0, tie_word_embeddings=True),
+    ModelConfig(family="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
 ])
 def test_config_json_reads_back_to_the_same_config(config):
     if config.family != "gemma3":

@@ -1,0 +1,129 @@
+"""Qwen3-MoE beyond the family comparisons of test_families: GGUF experts kept in their own formats, only routed
+experts run, the engine's greedy output equals transformers' generate, and MoE layouts of other families are refused
+with one line that names what is missing."""
+import json
+import shutil
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from torch import nn
+
+from fastdecode import LLM, SamplingParams
+from fastdecode.config import ModelConfig
+from fastdecode.errors import UnsupportedModelError
+from fastdecode.loading import load_model
+from fastdecode.loading.gguf_file import GGUFFile
+from fastdecode.loading.gguf_native import load_gguf_native
+from fastdecode.models.moe import Router, SparseMoE
+from fastdecode.quant import Int8Linear, KQuantLinear, quantize_model
+from tests.helpers.checkpoints import (checkpoint, kquant_gguf, max_diff, our_run, prompt_tokens, quantized_checkpoint,
+                                       reference_run, single_thread)
+from tests.helpers.tiny import logits
+
+PROMPT = prompt_tokens(24)
+STEPS = 32
+ATOL = 1e-4
+GREEDY_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "q8_0"])
+def test_gguf_experts_kept_in_their_format_match_transformers(quantized):
+    ckpt = quantized_checkpoint("qwen3_moe") if quantized else checkpoint("qwen3_moe")
+    model = load_model(ckpt.gguf_path, quant="gguf")
+    moe = model.layers[0].mlp
+    assert type(moe.gate) is Router and moe.gate.weight.dtype == torch.float32  # the router is float
+    expert_type = Int8Linear if quantized else nn.Linear  # each expert is its own module, sliced from the stack
+    assert all(type(e.gate_up_proj) is expert_type and type(e.down_proj) is expert_type for e in moe.experts)
+    ref, ours = reference_run(ckpt.model, PROMPT, STEPS), our_run(model, PROMPT, STEPS)
+    assert max_diff(ours.prefill_logits, ref.prefill_logits) <= ATOL
+    assert max_diff(ours.step_logits, ref.step_logits) <= ATOL
+    assert ours.tokens == ref.tokens
+
+
+def test_k_quant_experts_are_kquant_modules_holding_the_files_values():
+    # As Q4_K_M files store them: experts Q4_K, down projections Q6_K, the router F32.
+    path = kquant_gguf("qwen3_moe_k", {"ffn_down_exps": QType.Q6_K, "ffn_gate_inp": QType.F32})
+    kept, ref = load_gguf_native(path, backend="aten"), load_model(path)  # aten: K-quants dequantize exactly
+    for layer in range(2):
+        for e in (0, 3):
+            for name, kind in (("gate_up_proj", "q4_k"), ("down_proj", "q6_k")):
+                m = kept.get_submodule(f"layers.{layer}.mlp.experts.{e}.{name}")
+                w = ref.get_submodule(f"layers.{layer}.mlp.experts.{e}.{name}").weight
+                assert isinstance(m, KQuantLinear) and m.kind == kind
+                assert torch.equal(m(torch.eye(w.shape[1])).T, w)
+    tokens = torch.tensor([PROMPT])
+    expected, out = logits(ref, tokens), logits(load_model(path, quant="gguf"), tokens)
+    assert (out - expected).norm() / expected.norm() < 0.05  # native kernels round activations to int8 per block
+
+
+def test_each_routed_expert_runs_once_over_all_its_rows_and_the_rest_never():
+    model = load_model(checkpoint("qwen3_moe").hf_dir)
+    moe: SparseMoE = model.layers[1].mlp
+    x = torch.randn(1, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(0))  # 6 choices of 8
+    calls = {}
+    for e, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda m, args, out, e=e: calls.setdefault(e, []).append(args[0].shape[0]))
+    with torch.no_grad():
+        moe(x)
+        _, experts = moe.route(x.reshape(-1, x.shape[-1]))
+    routed = torch.bincount(experts.flatten(), minlength=len(moe.experts))
+    assert calls == {e: [int(n)] for e, n in enumerate(routed) if n}
+    assert len(calls) < len(moe.experts)  # some expert was skipped, so the check above means something
+
+
+def test_quantize_model_leaves_the_router_float_and_quantizes_every_expert():
+    model = quantize_model(load_model(checkpoint("qwen3_moe").hf_dir), "int8")
+    moe = model.layers[0].mlp
+    assert type(moe.gate) is Router
+    assert all(isinstance(e.gate_up_proj, Int8Linear) and isinstance(e.down_proj, Int8Linear) for e in moe.experts)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "q8_0"])
+def test_engine_greedy_output_equals_transformers_generate(quantized):
+    ckpt = quantized_checkpoint("qwen3_moe") if quantized else checkpoint("qwen3_moe")
+    llm = LLM(str(ckpt.gguf_path), max_seq_len=128, kv_dtype="float32")
+    assert llm.decode_path == "pytorch"  # the native step has no MoE block and declines
+    prompts = ["def f(x):", "return [a, b]"]
+    # Submitted together, the engine runs both sequences' rows through one forward per step.
+    outs = llm.generate(prompts, SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = llm.encode_prompt(prompt)
+        with torch.inference_mode():
+            ref = ckpt.model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS,
+                                      min_new_tokens=GREEDY_TOKENS, do_sample=False)
+        assert out.token_ids == ref[0, len(ids):].tolist()
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key,value", [("shared_expert_intermediate_size", 64), ("n_shared_experts", 1),
+                                       ("first_k_dense_replace", 1)])
+def test_config_with_another_familys_moe_layout_is_refused_in_one_line(tmp_path, key, value):
+    shutil.copytree(checkpoint("qwen3_moe").hf_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(UnsupportedModelError, match=key) as err:
+        load_model(tmp_path / "m")
+    assert "\n" not in str(err.value)
+
+
+def test_gguf_with_shared_experts_is_refused_in_one_line():
+    meta = {**GGUFFile(checkpoint("qwen3_moe").gguf_path).metadata, "qwen3moe.expert_shared_count": 1}
+    with pytest.raises(UnsupportedModelError, match="shared experts") as err:
+        ModelConfig.from_gguf(meta)
+    assert "\n" not in str(err.value)
+
+
+def test_other_moe_architectures_are_refused_by_name(tmp_path):
+    shutil.copytree(checkpoint("qwen3_moe").hf_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="Qwen2MoeForCausalLM"):
+        load_model(tmp_path / "m")
