@@ -99,7 +99,6 @@ class LLM:
             from fastdecode.quant import quantize_model
             quantize_model(self.model, quant, group_size=group_size)
         self.max_seq_len = min(max_seq_len, self.config.max_position_embeddings)
-        native = native and not self.config.num_experts  # decode_step.cpp has no MoE block: PyTorch's modules run it
         self.speculate = speculate
         self.engine = self.decoder = self.speculator = None
         if engine and speculate in (None, "", "none", *MODEL_FREE):

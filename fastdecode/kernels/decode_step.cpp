@@ -14,6 +14,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -383,56 +384,73 @@ void attend_plain(const std::vector<const float*>& q, const std::vector<float*>&
 }
 
 // Queries q (R, H, hd) of the new rows of every sequence against the cache k, v (K, slots, hd) -> out (R, H, hd).
-// Work items run in parallel. A sequence of few rows (decode, verify) is split by chunk: an item is one KV group's
-// queries over one chunk, its partials kept, then folded per query; a long run of rows (a prompt chunk) is split by
-// query: an item is a run of one group's (token, head) queries over all their chunks, folded as it goes. Both give
-// the same arithmetic. Items are at least three per thread where the rows allow, so the threads get even shares.
+// Work items run in parallel, each one KV group's queries of one sequence:
+// - a sequence of few rows (decode, verify): all its queries of the group over all their chunks, the group's keys read
+//   once; where the batch holds too few groups to keep every thread busy (one sequence of few KV heads), one chunk a
+//   item instead, its partials kept and folded by the item that finishes the group's last chunk;
+// - a prompt chunk: runs of its (token, head) queries over all their chunks, at least three items per thread.
+// Every way folds the same partials in the same order: a query's result does not depend on the batch or the threads.
 template <typename KV>
 void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, int64_t S, int64_t hd,
                const std::vector<SeqRows>& seqs, int64_t block_size, const int64_t* positions, const int64_t* slots,
                const bool* mask, int64_t R, int64_t window, float scale, float* out) {
-  constexpr int64_t SPLIT_ROWS = 16;  // sequences of up to this many rows are split by chunk
+  constexpr int64_t SPLIT_ROWS = 16;  // a sequence of up to this many rows may be split by chunk
   const int64_t group = H / K, threads = at::get_num_threads(), nseq = seqs.size();
-  std::vector<Visible> seen(R);
-  struct Item { int64_t seq, g, lo, hi, c0, c1; };  // rows lo..hi of the sequence's (token, head) queries of group g
-  struct Split { int64_t c0, chunks, base; };  // a split sequence's chunks and where its partials start in `parts`
-  std::vector<Item> items;
-  std::vector<Split> split(nseq, {0, 0, -1});
-  int64_t work = 0, part_floats = 0;
   const bool chunked = hd % 8 == 0;
+  std::vector<Visible> seen(R);
+  std::vector<std::pair<int64_t, int64_t>> chunks(nseq);  // each sequence's [c0, c1)
+  int64_t work = 0, active = 0;
   for (int64_t s = 0; s < nseq; ++s) {
     const SeqRows& sr = seqs[s];
-    const int64_t T = sr.r1 - sr.r0, per_group = T * group;
-    if (T == 0) continue;
     int64_t first = std::numeric_limits<int64_t>::max(), end = 0;
     for (int64_t t = sr.r0; t < sr.r1; ++t) {
       seen[t] = visible_keys(t, sr, positions, slots, mask, R, window);
       first = std::min(first, seen[t].first);
       end = std::max(end, seen[t].end());
     }
-    const int64_t c0 = first / KEY_CHUNK, c1 = (end + KEY_CHUNK - 1) / KEY_CHUNK;
-    work += (sr.ctx + T) * hd * T * H;
-    if (chunked && T <= SPLIT_ROWS && c1 - c0 > 1) {
-      split[s] = {c0, c1 - c0, part_floats};
+    chunks[s] = {first / KEY_CHUNK, (end + KEY_CHUNK - 1) / KEY_CHUNK};
+    work += (sr.ctx + sr.r1 - sr.r0) * hd * (sr.r1 - sr.r0) * H;
+    active += sr.r1 > sr.r0;
+  }
+  // Too few KV groups in the batch to keep every thread busy: short sequences are split by chunk as well.
+  const bool few_groups = K * active < 2 * threads;
+  struct Item { int64_t seq, g, lo, hi, c0, c1; };  // rows lo..hi of the sequence's (token, head) queries of group g
+  struct Split { int64_t chunks = 0, base = -1; };  // a split sequence's chunk count, where its partials start
+  std::vector<Item> items;
+  std::vector<Split> split(nseq);
+  int64_t part_floats = 0;
+  for (int64_t s = 0; s < nseq; ++s) {
+    const int64_t T = seqs[s].r1 - seqs[s].r0, per_group = T * group;
+    const auto [c0, c1] = chunks[s];
+    if (T == 0) continue;
+    if (chunked && T <= SPLIT_ROWS && c1 - c0 > 1 && few_groups) {
+      split[s] = {c1 - c0, part_floats};
       part_floats += T * H * (c1 - c0) * (hd + 2);
       for (int64_t g = 0; g < K; ++g)
         for (int64_t c = c0; c < c1; ++c) items.push_back({s, g, 0, per_group, c, c + 1});
       continue;
     }
-    int64_t runs = (3 * threads + K - 1) / K;  // per group
-    while (K * runs % threads) ++runs;
-    runs = std::min(runs, per_group);
+    // A few rows: one item per group (its keys read once). A prompt chunk: runs of queries, enough for the threads.
+    int64_t runs = 1;
+    if (T > SPLIT_ROWS) {
+      runs = (3 * threads + K - 1) / K;
+      while (K * runs % threads) ++runs;
+      runs = std::min(runs, per_group);
+    }
     for (int64_t g = 0; g < K; ++g)
       for (int64_t run = 0; run < runs; ++run)
         items.push_back({s, g, per_group * run / runs, per_group * (run + 1) / runs, c0, c1});
   }
-  // A split sequence's partial for (row t, head h, chunk c): m, l, then o (hd).
-  std::vector<float> parts(part_floats);
+  // A split sequence's partial for (row t, head h, chunk c): m, l, then o (hd); l == 0: no keys of that chunk. The
+  // item that computes a group's last chunk folds the group's queries (`pending` counts its chunks still running).
+  std::vector<float> parts(part_floats, 0.f);
   const auto part_at = [&](int64_t s, int64_t t, int64_t h, int64_t c) {
     const Split& sp = split[s];
-    return parts.data() + sp.base + (((t - seqs[s].r0) * H + h) * sp.chunks + (c - sp.c0)) * (hd + 2);
+    return parts.data() + sp.base + (((t - seqs[s].r0) * H + h) * sp.chunks + (c - chunks[s].first)) * (hd + 2);
   };
-  std::fill(parts.begin(), parts.end(), 0.f);  // l == 0: no keys of that chunk
+  std::vector<std::atomic<int64_t>> pending(nseq * K);
+  for (int64_t s = 0; s < nseq; ++s)
+    for (int64_t g = 0; g < K; ++g) pending[s * K + g].store(split[s].chunks, std::memory_order_relaxed);
   const int64_t n_items = items.size();
   const int64_t grain = work >= 16384 ? 1 : std::max<int64_t>(n_items, 1);
   at::parallel_for(0, n_items, grain, [&](int64_t i0, int64_t i1) {
@@ -465,39 +483,28 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
         else if (hd % 16 == 0) attend_chunks<2>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
         else attend_chunks<1>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
       };
-      if (split[item.seq].base >= 0) {  // keep the partials; they are folded below
-        run([&](int64_t i, int64_t c, const Partial& p) {
-          float* dst = part_at(item.seq, rows[i], heads[i], c);
-          dst[0] = p.m, dst[1] = p.l;
-          std::copy(p.o, p.o + hd, dst + 2);
-        });
-        continue;
-      }
       const int64_t n = qs.size();
-      state_o.assign(n * hd, 0.f);
+      state_o.resize(n * hd);
       state.assign(n, {0, 0, nullptr});
       for (int64_t i = 0; i < n; ++i) state[i].o = state_o.data() + i * hd;
-      run([&](int64_t i, int64_t, const Partial& p) { fold(state[i], p, hd, state[i].l == 0); });
-      for (int64_t i = 0; i < n; ++i) finish(state[i], hd, outs[i]);
-    }
-  });
-  if (part_floats == 0) return;
-  // Fold the split sequences' partials, one (row, head) query at a time.
-  std::vector<std::pair<int64_t, int64_t>> queries;  // (sequence, row * H + head)
-  for (int64_t s = 0; s < nseq; ++s)
-    if (split[s].base >= 0)
-      for (int64_t th = seqs[s].r0 * H; th < seqs[s].r1 * H; ++th) queries.emplace_back(s, th);
-  at::parallel_for(0, queries.size(), std::max<int64_t>(1, static_cast<int64_t>(queries.size()) / threads),
-                   [&](int64_t i0, int64_t i1) {
-    std::vector<float> o(hd);
-    for (int64_t i = i0; i < i1; ++i) {
-      const auto [s, th] = queries[i];
-      Partial state{0, 0, o.data()};
-      for (int64_t c = split[s].c0; c < split[s].c0 + split[s].chunks; ++c) {
-        float* src = part_at(s, th / H, th % H, c);
-        if (src[1] > 0) fold(state, {src[0], src[1], src + 2}, hd, state.l == 0);
+      if (split[item.seq].base < 0) {  // the item holds all its queries' chunks: fold as they come
+        run([&](int64_t i, int64_t, const Partial& p) { fold(state[i], p, hd, state[i].l == 0); });
+        for (int64_t i = 0; i < n; ++i) finish(state[i], hd, outs[i]);
+        continue;
       }
-      finish(state, hd, out + th * hd);
+      run([&](int64_t i, int64_t c, const Partial& p) {
+        float* dst = part_at(item.seq, rows[i], heads[i], c);
+        dst[0] = p.m, dst[1] = p.l;
+        std::copy(p.o, p.o + hd, dst + 2);
+      });
+      if (pending[item.seq * K + item.g].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+      for (int64_t i = 0; i < n; ++i) {  // the group's last chunk: fold every chunk of its queries in order
+        for (int64_t c = chunks[item.seq].first; c < chunks[item.seq].second; ++c) {
+          float* src = part_at(item.seq, rows[i], heads[i], c);
+          if (src[1] > 0) fold(state[i], {src[0], src[1], src + 2}, hd, state[i].l == 0);
+        }
+        finish(state[i], hd, outs[i]);
+      }
     }
   });
 }

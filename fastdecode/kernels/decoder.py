@@ -35,7 +35,10 @@ def layer_weights(block) -> list[torch.Tensor]:
 
 
 def model_supported(model) -> bool:
-    """Float32 embeddings on the CPU and every linear one decode_step.cpp runs."""
+    """Float32 embeddings on the CPU, a dense MLP in every layer (decode_step.cpp has no mixture-of-experts block)
+    and every linear one decode_step.cpp runs."""
+    if any(not hasattr(block.mlp, "gate_up_proj") for block in model.layers):
+        return False
     layers_ok = all(
         linear_tensors(m) is not None
         for block in model.layers

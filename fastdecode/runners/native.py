@@ -21,8 +21,6 @@ class NativeRunner:
 
     @classmethod
     def build(cls, model, kv) -> "NativeRunner | None":
-        if model.config.num_experts:  # decode_step.cpp has no MoE block
-            return None
         if (not model_supported(model) or kv.k[0].dtype not in (torch.float32, torch.float16)
                 or kv.k[0].device.type != "cpu"):
             return None
