@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-BLOCK_SIZE = 32  # token slots per block: a quarter of the attention kernel's key chunk, read contiguously
+BLOCK_SIZE = 32  # token slots per block: an eighth of the attention kernel's key chunk, read contiguously
 
 
 class NoFreeBlocks(Exception):

@@ -117,7 +117,7 @@ inline void store_kv(const float* x, int64_t n, uint16_t* out) {
 // over a chunk's keys in order, then the same fold), never on the number of tokens in the call, the queries that share
 // a work item or the threads, so a token's result is the same in a decode step, a verify step or a prefill chunk,
 // alone or in a batch.
-constexpr int64_t KEY_CHUNK = 128;  // 128 keys of 64 halves: 16 KB of keys, 16 KB of values, read from L1/L2
+constexpr int64_t KEY_CHUNK = 256;  // 256 keys of 64 halves: 32 KB of keys, 32 KB of values, read from L1/L2
 
 // The lane sums of 4 vectors, (sum a0, ..., sum a3), each added as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)).
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -277,7 +277,9 @@ void fold(Partial& state, const Partial& c, int64_t hd, bool first) {
     std::copy(c.o, c.o + hd, state.o);
     return;
   }
-  const float m = std::max(state.m, c.m), a = std::exp(state.m - m), b = std::exp(c.m - m);
+  // e^(m - max) and e^(m_c - max): one of them is e^0 = 1 exactly, so one exp will do.
+  const float m = std::max(state.m, c.m);
+  const float a = state.m == m ? 1.f : std::exp(state.m - m), b = c.m == m ? 1.f : std::exp(c.m - m);
   state.m = m, state.l = state.l * a + c.l * b;
   const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
   int64_t d = 0;

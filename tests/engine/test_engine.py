@@ -136,7 +136,7 @@ def test_sequences_in_one_batch_get_their_solo_logits(runner, kv_dtype):
 
 
 def test_a_long_sequence_decodes_alike_alone_and_beside_others():
-    """Alone, a decode step of a sequence with few KV heads spreads its chunks of 128 keys over the threads and the
+    """Alone, a decode step of a sequence with few KV heads spreads its chunks of 256 keys over the threads and the
     last to finish folds their partials; beside other sequences, each KV group's chunks fold in one work item. The
     logits must be equal bit for bit: the same partials fold in the same order. (int8 weights: activations stay
     float, so an attention output an ulp off would show.)"""

@@ -58,7 +58,7 @@ def test_bfloat16_models_are_left_to_pytorch():
 
 # Vector attention holding 2 or 8 registers, and the plain loops (head sizes whose o_proj the int4 kernel takes);
 # one, two and three query heads per KV head (queries of a group are scored in pairs); prompts inside one
-# block of keys, across several (32 keys a block) and across chunks (128 keys a chunk, whose partial results fold;
+# block of keys, across several (32 keys a block) and across chunks (256 keys a chunk, whose partial results fold;
 # the verified tokens at 254..257 straddle a chunk boundary);
 # a sliding window shorter than the prompt on one of two layers (queries of one step then see different first keys).
 @pytest.mark.parametrize("heads,head_dim", [(4, 16), (2, 64), (4, 64), (6, 64), (16, 12)])
