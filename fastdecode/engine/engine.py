@@ -11,6 +11,7 @@ size).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -69,6 +70,7 @@ class Engine:
                 self.thread = threading.Thread(target=_engine_thread, args=(weakref.ref(self), self.threads),
                                                name="fastdecode-engine", daemon=True)
                 self.thread.start()
+                _STARTED.add(self)
         return seq
 
     def abort(self, seq: Sequence):
@@ -275,6 +277,18 @@ class Engine:
             return CostModel.measure(forward, sizes)
         finally:
             self.kv.release(table)
+
+
+# Engines whose thread runs. A daemon thread still inside an OpenMP region when the interpreter exits makes libgomp
+# abort the process ("terminate called without an active exception", exit code 134) after the program's work is
+# done, so every engine is stopped before exit.
+_STARTED: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_engines():
+    for engine in list(_STARTED):
+        engine.stop()
 
 
 @torch.inference_mode()
