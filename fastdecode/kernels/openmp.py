@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,3 +39,16 @@ def release_openmp_workers() -> bool:
     """Ends the calling thread's OpenMP worker threads (cheap when it has none) -> whether the runtime allowed it."""
     pause = _pause()
     return pause is not None and pause(OMP_PAUSE_SOFT) == 0
+
+
+@contextmanager
+def torch_threads(threads: int | None):
+    """torch's intra-op thread count set to `threads` (None: left as it is) inside the block, restored after; yields
+    the count in force."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import Counter
-from contextlib import contextmanager
 
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -32,6 +31,7 @@ from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_loader import (GLOBAL_NAMES, block_tensors, dequantize_tensor, float_tensor, gguf_config,
                                             hf_name, permuted_heads)
 from fastdecode.loading.gguf_moe import expert_tensors
+from fastdecode.kernels.openmp import torch_threads
 from fastdecode.models import model_class
 from fastdecode.models.transformer import PACKED_MODULES
 from fastdecode.quant import build_linear, encode_linear, fits
@@ -63,7 +63,9 @@ def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, ba
         name for name, m in model.named_modules()
         if name not in ("lm_head", "embed_tokens") and any(True for _ in m.parameters(recurse=False))]
     trim = heap_trimmer()
-    with packing():
+    # Loading is byte moves bound by memory and page faults, run on one torch thread: a second gains little, and on a
+    # busy 2-core machine each parallel op waits for it (1.5B Q4_0 at load average 3: 2.3-2.9 s against 1.5-1.6 s).
+    with torch_threads(1):
         for name in progress(names) if progress is not None else names:
             loader.load(model, name)
             trim()
@@ -77,18 +79,6 @@ def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, ba
     if "rope_freqs.weight" in f.tensors:
         model.rope_freq_factors = torch.from_numpy(dequantize_tensor(f.tensors["rope_freqs.weight"]).copy())
     return model.eval()
-
-
-@contextmanager
-def packing():
-    """Loading is byte moves bound by memory and page faults, run on one torch thread: a second gains little, and on
-    a busy 2-core machine each parallel op waits for it (1.5B Q4_0 at load average 3: 2.3-2.9 s against 1.5-1.6 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def heap_trimmer():

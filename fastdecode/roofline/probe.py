@@ -11,7 +11,6 @@ import os
 import platform
 import statistics
 import time
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -23,19 +22,6 @@ WORKING_SET_BYTES = 96 * 10**6  # SmolLM2-135M in Q4_1 reads ~97 MB per token
 MIN_SAMPLE_BYTES = 32 * 10**6
 CACHE_VERSION = 1
 MAX_AGE_S = 24 * 3600  # machines drift; a day-old probe is measured again
-
-
-@contextmanager
-def _threads(threads: int | None):
-    import torch
-
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _read_gb_s(size_bytes: int, repeats: int) -> dict:
@@ -56,7 +42,9 @@ def _read_gb_s(size_bytes: int, repeats: int) -> dict:
 def measure_bandwidth(threads: int | None = None, size_bytes: int = WORKING_SET_BYTES, repeats: int = 9,
                       large_bytes: int = LARGE_BYTES) -> dict:
     """Read bandwidth in GB/s (1e9 bytes/s) at `large_bytes` (DRAM) and at the `size_bytes` working set."""
-    with _threads(threads) as n:
+    from fastdecode.kernels.openmp import torch_threads  # torch only when measuring
+
+    with torch_threads(threads) as n:
         large = _read_gb_s(large_bytes, repeats)
         working = _read_gb_s(size_bytes, repeats)
     return {"threads": n, "repeats": repeats, "bandwidth_gb_s": large["gb_s"], "working_set_gb_s": working["gb_s"],
@@ -77,8 +65,10 @@ def measure_matmul(threads: int | None = None, n: int = 1024, repeats: int = 3) 
     compute side of this machine. The best, not the median: a ceiling should not inherit a busy moment."""
     import torch
 
+    from fastdecode.kernels.openmp import torch_threads
+
     result = {}
-    with _threads(threads):
+    with torch_threads(threads):
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             x, w = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
             torch.nn.functional.linear(x, w)

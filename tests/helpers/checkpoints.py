@@ -21,6 +21,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as QType
 
+from fastdecode.kernels.openmp import torch_threads
 from fastdecode.quant import kquant_blocks as kquants
 
 VOCAB_SIZE = 160
@@ -362,12 +363,8 @@ def write_gguf(model, path, arch: str, tensor_type=lambda gguf_name, ndim: QType
 def single_thread():
     """Tiny models gain nothing from intra-op threads, and on a shared, loaded machine OpenMP's waiting makes a
     (44, 64) x (64, 128) matmul take 30 ms instead of 20 us."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def prompt_tokens(length: int, seed: int = 0) -> list[int]:
