@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastdecode import memory
+
 BLOCK_SIZE = 32  # token slots per block: an eighth of the attention kernel's key chunk, read contiguously
 
 
@@ -35,8 +37,11 @@ class KVCache:
         self.block_size, self.num_blocks = block_size, num_blocks
         slots = num_blocks * block_size
         # (kv_heads, slots, head_dim) per layer: a KV group's keys for consecutive slots are contiguous.
-        self.k = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Pages made as sequences first write them (fastdecode/memory.py): the part of the budget never used costs
+        # neither memory nor start-up time.
+        shape = (num_kv_heads, slots, head_dim)
+        self.k = [memory.zeros(*shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [memory.zeros(*shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.refs = [0] * num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # never used or evicted; pop() takes block 0 first
         self.cached: dict[int, int] = {}  # prefix hash -> block

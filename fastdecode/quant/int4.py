@@ -19,6 +19,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from fastdecode import memory
 from fastdecode.quant.kernels import native_ops
 from fastdecode.quant.linear import QuantLinear, lut_fits, lut_ops, pack_nibbles, unpack_nibbles
 from fastdecode.quant.repack import move
@@ -77,7 +78,7 @@ def pack_native(qs: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torc
     kernels.cpp). Bytes move, no value is unpacked: a GGUF file's blocks go in as they are, read once from strided
     views of the file."""
     N, K = qs.shape[0], qs.shape[1] * 32
-    out = torch.empty(N // 4, K // 64, 160, dtype=torch.uint8)  # written once, from strided views of the inputs
+    out = memory.zeros(N // 4, K // 64, 160, dtype=torch.uint8)  # written once, from strided views of the inputs
     move(out[..., 32:].view(N // 4, K // 64, 4, 2, 16), qs.view(N // 4, 4, K // 64, 2, 16).transpose(1, 2))
     dm = out[..., :32].view(torch.float16).view(N // 4, K // 64, 2, 4, 2)  # (scale|min, row, block)
     for i, t in enumerate((scale, mn)):

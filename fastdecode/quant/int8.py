@@ -18,6 +18,7 @@ import logging
 import torch
 from torch import nn
 
+from fastdecode import memory
 from fastdecode.quant.kernels import native_ops
 from fastdecode.quant.linear import QuantLinear
 from fastdecode.quant.repack import move
@@ -75,7 +76,7 @@ def pack_native(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None)
     if mins is not None and torch.equal(mins.float(), -128 * scale.float()):
         q, mins = (q.to(torch.int16) - 128).to(torch.int8), None
     head = 8 if mins is None else 16
-    out = torch.empty(N // 4, K // QK, head + 4 * QK, dtype=torch.uint8)  # written once, from strided views
+    out = memory.zeros(N // 4, K // QK, head + 4 * QK, dtype=torch.uint8)  # written once, from strided views
     move(out[..., head:].view(N // 4, K // QK, 4, QK),
          q.view(torch.uint8).reshape(N // 4, 4, K // QK, QK).transpose(1, 2))
     for i, t in enumerate([scale] if mins is None else [scale, mins]):

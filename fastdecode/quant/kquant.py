@@ -18,6 +18,7 @@ every forward).
 """
 import torch
 
+from fastdecode import memory
 from fastdecode.quant.kernels import native_ops
 from fastdecode.quant.linear import QuantLinear
 from fastdecode.quant.repack import move
@@ -51,7 +52,7 @@ def pack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     unpacking run on 8- and 4-byte words with bytewise masks (a shift across bytes only moves bits the mask drops), 8
     and 4 times fewer elements than bytes; blocks may be a strided view of a mapped file."""
     N, S, _ = blocks.shape
-    out = torch.empty(N // 4, S, TILE_BYTES[kind], dtype=torch.uint8)
+    out = memory.zeros(N // 4, S, TILE_BYTES[kind], dtype=torch.uint8)
     d_at = 208 if kind == "q6_k" else 0
     move(out[..., :8].view(N // 4, S, 4, 2), tiles(blocks[..., d_at:d_at + 2]))  # d
     if kind == "q6_k":

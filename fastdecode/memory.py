@@ -1,0 +1,30 @@
+"""Large CPU tensors on fresh anonymous pages (mmap) instead of torch's allocator.
+
+The kernel fills such pages with zeros when they are first touched, so allocating costs nothing up front and memory
+never touched is never resident: a KV cache sized for eight full-length sequences occupies what its sequences fill,
+not the whole budget (torch.zeros wrote every byte of it at start). The pages are advised as transparent huge pages,
+so that writing a multi-GB model's packed weights takes one page fault per 2 MB rather than per 4 KB.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+MIN_BYTES = 1 << 20  # below this, torch's allocator (its pool is cheaper than a mapping)
+
+
+def zeros(*shape: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """A zero-filled tensor; on the CPU its pages are made on first touch (which makes it also the cheapest `empty`
+    for a buffer written in full right away)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < MIN_BYTES or torch.device(device or "cpu").type != "cpu":
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            pages.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: 4 KB pages work the same
+            pass
+    return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
