@@ -65,7 +65,16 @@ void rotary(float* x, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
+using fastdecode::halve;
 using fastdecode::hsum;
+using fastdecode::prefetch;
+using fastdecode::vecf;
+using fastdecode::vfma;
+using fastdecode::vload;
+using fastdecode::vset1;
+using fastdecode::vstore;
+using fastdecode::VW;
+using fastdecode::vzero;
 
 // e^x for x in [-87, 88] (where 2^n stays a normal float), as in Cephes' expf: 2^n * p(r) with r = x - n ln 2,
 // |error| about 1 ulp. std::exp per element cost more than the arithmetic around it (attention scores, the MLP's
@@ -93,9 +102,14 @@ inline __m256 exp_any(__m256 x) {
   return exp_in_range(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f)));
 }
 
-// The KV cache holds float32 or float16 (its bits as uint16_t, converted with F16C): one attention kernel reads either.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// The KV cache holds float32 or float16 (its bits as uint16_t, converted with F16C): one attention kernel reads either,
+// VW values at a time.
+inline vecf vload_kv(const float* p) { return vload(p); }
+#ifdef __AVX512F__
+inline vecf vload_kv(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#else
+inline vecf vload_kv(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
 inline float load1(float x) { return x; }
 inline float load1(uint16_t x) { return _cvtsh_ss(x); }
 
@@ -126,9 +140,12 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 // One vector's lane sum in the order of hsum4's.
-inline float hsum1(__m256 a) { return _mm_cvtss_f32(hsum4(a, a, a, a)); }
+inline float hsum1(vecf a) {
+  const __m256 h = halve(a);
+  return _mm_cvtss_f32(hsum4(h, h, h, h));
+}
 
-// p[r][i] = (q[r] . key i) * scale for NQ queries and n keys, key i at k + slot(i) * hd (hd % 8 == 0). Two queries
+// p[r][i] = (q[r] . key i) * scale for NQ queries and n keys, key i at k + slot(i) * hd (hd % VW == 0). Two queries
 // over four keys are eight independent FMA chains, enough to keep both FMA units busy through their latency, and the
 // four keys' sums come out of one transposing reduction.
 template <int NQ, typename KV, typename Slot>
@@ -139,24 +156,25 @@ void scores(const float* const* q, const KV* k, Slot slot, int64_t n, int64_t hd
   for (; i + NK <= n; i += NK) {
     const KV* key[NK];
     for (int b = 0; b < NK; ++b) key[b] = k + slot(i + b) * hd;
-    __m256 a[NQ][NK];
+    vecf a[NQ][NK];
     for (int r = 0; r < NQ; ++r)
-      for (int b = 0; b < NK; ++b) a[r][b] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < hd; d += 8) {
-      __m256 qd[NQ];
-      for (int r = 0; r < NQ; ++r) qd[r] = _mm256_loadu_ps(q[r] + d);
+      for (int b = 0; b < NK; ++b) a[r][b] = vzero();
+    for (int64_t d = 0; d < hd; d += VW) {
+      vecf qd[NQ];
+      for (int r = 0; r < NQ; ++r) qd[r] = vload(q[r] + d);
       for (int b = 0; b < NK; ++b) {
-        const __m256 kd = load8(key[b] + d);
-        for (int r = 0; r < NQ; ++r) a[r][b] = _mm256_fmadd_ps(qd[r], kd, a[r][b]);
+        const vecf kd = vload_kv(key[b] + d);
+        for (int r = 0; r < NQ; ++r) a[r][b] = vfma(qd[r], kd, a[r][b]);
       }
     }
-    for (int r = 0; r < NQ; ++r) _mm_storeu_ps(p[r] + i, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), vscale));
+    for (int r = 0; r < NQ; ++r)
+      _mm_storeu_ps(p[r] + i, _mm_mul_ps(hsum4(halve(a[r][0]), halve(a[r][1]), halve(a[r][2]), halve(a[r][3])), vscale));
   }
   for (; i < n; ++i) {
     const KV* ki = k + slot(i) * hd;
     for (int r = 0; r < NQ; ++r) {
-      __m256 a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), load8(ki + d), a);
+      vecf a = vzero();
+      for (int64_t d = 0; d < hd; d += VW) a = vfma(vload(q[r] + d), vload_kv(ki + d), a);
       p[r][i] = hsum1(a) * scale;
     }
   }
@@ -180,25 +198,25 @@ void softmax_part(float* p, int64_t n, float& m, float& l) {
 }
 
 // out[r] (hd) += sum over i of p[r][i] * value i (at v + slot(i) * hd) for NQ queries, each element's chain continuing
-// in i order; each value vector is read once for all NQ queries. NV 8-float vectors of each out in registers at a time
-// (hd % (8 NV) == 0).
+// in i order; each value vector is read once for all NQ queries. NV vectors (VW floats each) of each out in registers
+// at a time (hd % (VW NV) == 0).
 template <int NQ, int NV, typename KV, typename Slot>
 void accumulate(const float* const* p, const KV* v, Slot slot, int64_t n, int64_t hd, float* const* out) {
-  for (int64_t d0 = 0; d0 < hd; d0 += 8 * NV) {
-    __m256 acc[NQ][NV];
+  for (int64_t d0 = 0; d0 < hd; d0 += VW * NV) {
+    vecf acc[NQ][NV];
     for (int r = 0; r < NQ; ++r)
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_loadu_ps(out[r] + d0 + 8 * c);
+      for (int c = 0; c < NV; ++c) acc[r][c] = vload(out[r] + d0 + VW * c);
     for (int64_t i = 0; i < n; ++i) {
-      __m256 pi[NQ];
-      for (int r = 0; r < NQ; ++r) pi[r] = _mm256_set1_ps(p[r][i]);
+      vecf pi[NQ];
+      for (int r = 0; r < NQ; ++r) pi[r] = vset1(p[r][i]);
       const KV* vi = v + slot(i) * hd + d0;
       for (int c = 0; c < NV; ++c) {
-        const __m256 vc = load8(vi + 8 * c);
-        for (int r = 0; r < NQ; ++r) acc[r][c] = _mm256_fmadd_ps(pi[r], vc, acc[r][c]);
+        const vecf vc = vload_kv(vi + VW * c);
+        for (int r = 0; r < NQ; ++r) acc[r][c] = vfma(pi[r], vc, acc[r][c]);
       }
     }
     for (int r = 0; r < NQ; ++r)
-      for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out[r] + d0 + 8 * c, acc[r][c]);
+      for (int c = 0; c < NV; ++c) vstore(out[r] + d0 + VW * c, acc[r][c]);
   }
 }
 
@@ -241,22 +259,32 @@ inline int64_t physical(const SeqRows& s, int64_t block_size, int64_t a) {
   return s.table[a / block_size] * block_size + a % block_size;
 }
 
-// The keys of chunk c that query s sees, as runs of slots: f(slot, j, n) for the chunk's keys j..j + n, at slots
-// slot(0..n). Runs never cross a block, so a run through the table is contiguous in memory. Returns the key count.
+// Contiguous slots [first, first + n) of the cache (n = 0: none).
+struct SlotRange {
+  int64_t first, n;
+};
+
+// The keys of chunk c that query s sees, as runs of slots: f(slot, j, n, next) for the chunk's keys j..j + n, at slots
+// slot(0..n); next: the run through the table after this one, this chunk's or the next one's (for prefetching). Runs
+// never cross a block, so a run through the table is contiguous in memory. Returns the key count.
 template <typename F>
 int64_t walk_chunk(const Visible& s, const SeqRows& sr, int64_t block_size, int64_t c, F f) {
   const int64_t lo = c * KEY_CHUNK, hi = lo + KEY_CHUNK;
+  const auto run_at = [&](int64_t x) {  // the run through the table from position x (< s.last)
+    return SlotRange{physical(sr, block_size, x), std::min(s.last, (x / block_size + 1) * block_size) - x};
+  };
   int64_t j = 0;
   for (int64_t x = std::max(lo, s.first), e = std::min(hi, s.last); x < e;) {
     const int64_t y = std::min(e, (x / block_size + 1) * block_size), base = physical(sr, block_size, x);
-    f([base](int64_t i) { return base + i; }, j, y - x);
+    const int64_t after = y < e ? y : std::max(hi, s.first);
+    f([base](int64_t i) { return base + i; }, j, y - x, after < s.last ? run_at(after) : SlotRange{0, 0});
     j += y - x;
     x = y;
   }
   const int64_t a = std::max(lo, s.tail_at), e = std::min(hi, s.end());
   if (!s.tail.empty() && a < e) {
     const int64_t* tail = s.tail.data() + (a - s.tail_at);
-    f([tail](int64_t i) { return tail[i]; }, j, e - a);
+    f([tail](int64_t i) { return tail[i]; }, j, e - a, SlotRange{0, 0});
     j += e - a;
   }
   return j;
@@ -299,7 +327,13 @@ void finish(const Partial& s, int64_t hd, float* out) {
 template <int NQ, int NV, typename KV>
 void chunk_part(const float* const* q, const Visible& s, const KV* k, const KV* v, const SeqRows& sr,
                 int64_t block_size, int64_t hd, float scale, int64_t c, float* const* p, Partial* part) {
-  const int64_t n = walk_chunk(s, sr, block_size, c, [&](auto slot, int64_t j, int64_t cnt) {
+  const int64_t row_bytes = hd * sizeof(KV);
+  const int64_t n = walk_chunk(s, sr, block_size, c, [&](auto slot, int64_t j, int64_t cnt, SlotRange next) {
+    // The KV cache is read from memory, a block (a page) at a time: ask for this run's values (needed after the
+    // chunk's softmax) and the next run's keys ahead of their use, and for the very first keys at once.
+    if (j == 0 && cnt > 1 && slot(cnt - 1) == slot(0) + cnt - 1) prefetch(k + slot(0) * hd, cnt * row_bytes);
+    if (cnt > 1 && slot(cnt - 1) == slot(0) + cnt - 1) prefetch<_MM_HINT_T1>(v + slot(0) * hd, cnt * row_bytes);
+    prefetch(k + next.first * hd, next.n * row_bytes);
     float* pj[NQ];
     for (int r = 0; r < NQ; ++r) pj[r] = p[r] + j;
     scores<NQ>(q, k, slot, cnt, hd, scale, pj);
@@ -312,7 +346,7 @@ void chunk_part(const float* const* q, const Visible& s, const KV* k, const KV* 
   }
   if (n == 0) return;
   for (int r = 0; r < NQ; ++r) softmax_part(p[r], n, part[r].m, part[r].l);
-  walk_chunk(s, sr, block_size, c, [&](auto slot, int64_t j, int64_t cnt) {
+  walk_chunk(s, sr, block_size, c, [&](auto slot, int64_t j, int64_t cnt, SlotRange) {
     const float* pj[NQ];
     for (int r = 0; r < NQ; ++r) pj[r] = p[r] + j;
     accumulate<NQ, NV>(pj, v, slot, cnt, hd, o);
@@ -398,7 +432,7 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
                const bool* mask, int64_t R, int64_t window, float scale, float* out) {
   constexpr int64_t SPLIT_ROWS = 16;  // a sequence of up to this many rows may be split by chunk
   const int64_t group = H / K, threads = at::get_num_threads(), nseq = seqs.size();
-  const bool chunked = hd % 8 == 0;
+  const bool chunked = hd % VW == 0;
   std::vector<Visible> seen(R);
   std::vector<std::pair<int64_t, int64_t>> chunks(nseq);  // each sequence's [c0, c1)
   int64_t work = 0, active = 0;
@@ -480,9 +514,9 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
         continue;
       }
       const auto run = [&](auto emit) {
-        if (hd % 64 == 0) attend_chunks<8>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
-        else if (hd % 32 == 0) attend_chunks<4>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
-        else if (hd % 16 == 0) attend_chunks<2>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
+        if (hd % (8 * VW) == 0) attend_chunks<8>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
+        else if (hd % (4 * VW) == 0) attend_chunks<4>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
+        else if (hd % (2 * VW) == 0) attend_chunks<2>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
         else attend_chunks<1>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
       };
       const int64_t n = qs.size();

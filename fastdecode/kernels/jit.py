@@ -23,8 +23,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Plain AVX2 flags, not -march=native: a cached build must also run on another CPU of the machine pool.
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+# Named instruction sets, not -march=native: a cached build must also run on another CPU of the machine pool. Each
+# kernel is built once per set it may run on; the CPU picks one at run time (kernel_isa). The sources test the
+# compiler's macros (__AVX512F__, __AVX512VNNI__) to take wider paths.
+ISA_FLAGS = {
+    "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+    # Ice Lake and later Xeons, Zen 4 and later: 16-float vectors and int8 dot products in one instruction (vpdpbusd).
+    "avx512": ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+               "-mavx512vnni", "-fopenmp"],
+}
 LDFLAGS = ["-fopenmp"]
 STALE_LOCK_S = 30 * 60  # a build takes 30-90 s on 2 cores; a lock this old belongs to a build that died
 POLL_S = 0.5
@@ -39,13 +46,37 @@ def native_enabled() -> bool:
             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 
+def cpu_has_avx512() -> bool:
+    """AVX-512 F/BW/VL/DQ (torch's AVX512 capability) and VNNI (which torch does not report: the kernel's flags)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "avx512_vnni" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def kernel_isa() -> str:
+    """The instruction set the native kernels are built for: the widest this CPU runs, or FASTDECODE_KERNEL_ISA=avx2
+    (the narrow build on a wide CPU, for A/B runs and tests)."""
+    best = "avx512" if cpu_has_avx512() else "avx2"
+    asked = os.environ.get("FASTDECODE_KERNEL_ISA", best)
+    if asked == best or asked == "avx2":
+        return asked
+    log.warning("fastdecode: ignoring FASTDECODE_KERNEL_ISA=%s: this CPU runs %s", asked,
+                " or ".join(sorted({"avx2", best})))
+    return best
+
+
 def native_required() -> bool:
     return os.environ.get("FASTDECODE_REQUIRE_NATIVE") == "1"
 
 
-def build(name: str, sources: list[Path], fallback: str):
-    """The compiled module, or None (with a warning that says what callers do instead, `fallback`) where native
-    kernels are off or cannot be built; with FASTDECODE_REQUIRE_NATIVE=1, NativeBuildError instead of None."""
+def build(name: str, sources: list[Path], fallback: str, isa: str = "avx2"):
+    """The compiled module for instruction set `isa` (named `name`_`isa`, so that builds for two sets can be loaded
+    side by side), or None (with a warning that says what callers do instead, `fallback`) where native kernels are
+    off or cannot be built; with FASTDECODE_REQUIRE_NATIVE=1, NativeBuildError instead of None."""
     try:
         if not native_enabled():
             raise NativeBuildError("native kernels are off (FASTDECODE_NATIVE_KERNELS=0) or the CPU lacks AVX2")
@@ -53,9 +84,10 @@ def build(name: str, sources: list[Path], fallback: str):
 
         from fastdecode.loading.catalog import fastdecode_home
 
-        directory = private_dir(fastdecode_home() / "kernels" / f"{name}-{build_key(sources, FLAGS + LDFLAGS)}")
+        flags, module = ISA_FLAGS[isa], f"{name}_{isa}"
+        directory = private_dir(fastdecode_home() / "kernels" / f"{module}-{build_key(sources, flags + LDFLAGS)}")
         with build_lock(directory):
-            return load(name, [str(s) for s in sources], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+            return load(module, [str(s) for s in sources], extra_cflags=flags, extra_ldflags=LDFLAGS,
                         build_directory=str(directory))
     except Exception as e:  # no compiler, no ninja, a compile error, an unsafe folder: PyTorch's kernels still work
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -32,7 +32,9 @@ const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N);
 namespace {
 
 using fastdecode::hsum;
+using fastdecode::offset32_dot;
 using fastdecode::pair_dot;
+using fastdecode::prefetch;
 using fastdecode::row_scales;
 
 constexpr int64_t QK_K = 256;
@@ -123,11 +125,10 @@ void pair_rows(const Call& c, int r0) {
 
 // The same for Q6_K: per half super-block and row, the 6-bit values unpacked into 4 registers of 32 consecutive
 // weights; each times its activation block gives 8 int32 lanes, 0-3 one sub-block of 16, 4-7 the next. The -32 offset
-// is taken off in int16 (maddubs(q, x) - maddubs(32, x) stays within +-24130) before widening.
+// is taken off in the integer sums (offset32_dot).
 template <int MR, int NR>
 void q6_rows(const Call& c, int r0) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), offset = _mm256_set1_epi8(32);
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -151,8 +152,7 @@ void q6_rows(const Call& c, int r0) {
           const __m256 si = _mm256_permutevar8x32_ps(s, row_scales(i));  // sub-blocks 2i, 2i + 1 of the half
           for (int m = 0; m < MR; ++m) {
             const __m256i x = _mm256_loadu_si256((const __m256i*)(c.xq + m * c.K + 32 * (b0 + i)));
-            const __m256i dot = _mm256_madd_epi16(
-                _mm256_sub_epi16(_mm256_maddubs_epi16(q[i], x), _mm256_maddubs_epi16(offset, x)), ones);
+            const __m256i dot = offset32_dot(q[i], x);
             const __m256 scaled = _mm256_mul_ps(si, _mm256_broadcast_ss(c.xs + m * c.xs_row + b0 + i));
             acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scaled, acc[m][r]);
           }
@@ -231,6 +231,7 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
   at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
+      if (t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);
       const Call c{W + t * tile_bytes, K / QK_K, K, N, t, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xs_row, Y};
       if (bytes == Q4K_BYTES) tile<Q4K>(c, M);
       else if (bytes == Q5K_BYTES) tile<Q5K>(c, M);

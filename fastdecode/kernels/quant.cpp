@@ -1,4 +1,5 @@
-// Quantized matmuls for x86 with AVX2 (+FMA, F16C). q8_linear is weight-only: float activations times int8
+// Quantized matmuls for x86 with AVX2 (+FMA, F16C); the AVX-512 build (jit.py) sums int8 products with VNNI's vpdpbusd
+// (the same integers) and runs the float FMAs on 16-float vectors (its own summation order). q8_linear is weight-only: float activations times int8
 // weights dequantized in registers. q4_linear works as llama.cpp's Q4_1 dot product: each activation row is
 // quantized to int8 in blocks of 32 (scale d = amax / 127), and the u4 x int8 products are summed with
 // vpmaddubsw / vpmaddwd, then scaled per block in float. Several activation rows (a verify step, a prefill) share
@@ -30,7 +31,16 @@ namespace {
 constexpr int64_t QK = 32;
 
 using fastdecode::hsum;
+using fastdecode::vecf;
+using fastdecode::vfma;
+using fastdecode::vload;
+using fastdecode::vmul;
+using fastdecode::vset1;
+using fastdecode::vstore;
+using fastdecode::VW;
+using fastdecode::vzero;
 using fastdecode::pair_dot;
+using fastdecode::prefetch;
 using fastdecode::quantize_rows;
 using fastdecode::row_scales;
 
@@ -124,12 +134,17 @@ void q4_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
   }
 }
 
-// 8 weights of one row: d * q + m (one FMA; q * d is exact in float, 8 + 11 significant bits), or d * q for int8 q.
+// VW weights of one row: d * q + m (one FMA; q * d is exact in float, 8 + 11 significant bits), or d * q for int8 q.
 template <bool OFFSET>
-inline __m256 dequantize8(const uint8_t* q, float d, float m) {
+inline vecf dequantize(const uint8_t* q, float d, float m) {
+#ifdef __AVX512F__
+  const __m128i raw = _mm_loadu_si128((const __m128i*)q);
+  const vecf v = _mm512_cvtepi32_ps(OFFSET ? _mm512_cvtepu8_epi32(raw) : _mm512_cvtepi8_epi32(raw));
+#else
   const __m128i raw = _mm_loadl_epi64((const __m128i*)q);
-  if (OFFSET) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), _mm256_set1_ps(d), _mm256_set1_ps(m));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), _mm256_set1_ps(d));
+  const vecf v = _mm256_cvtepi32_ps(OFFSET ? _mm256_cvtepu8_epi32(raw) : _mm256_cvtepi8_epi32(raw));
+#endif
+  return OFFSET ? vfma(v, vset1(d), vset1(m)) : vmul(v, vset1(d));
 }
 
 // MR activation rows (float) against one tile of 4 8-bit weight rows -> y[m][4 t + r]. Each block's weights are
@@ -138,19 +153,19 @@ inline __m256 dequantize8(const uint8_t* q, float d, float m) {
 template <int MR, bool OFFSET>
 void q8f_rows(const uint8_t* w, int64_t K, const float* x, int64_t N, int64_t t, float* y) {
   constexpr int64_t head = OFFSET ? 16 : 8;  // scales (and offsets) before the values
-  __m256 acc[4][MR];
+  vecf acc[4][MR];
   for (int r = 0; r < 4; ++r)
-    for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[r][m] = vzero();
   for (int64_t b = 0; b < K / QK; ++b, w += head + 4 * QK) {
     alignas(16) float d[4], mn[4] = {};
     _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)w)));
     if (OFFSET) _mm_store_ps(mn, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(w + 8))));
-    for (int c = 0; c < QK; c += 8) {
-      __m256 xv[MR];
-      for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + b * QK + c);
+    for (int c = 0; c < QK; c += VW) {
+      vecf xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = vload(x + m * K + b * QK + c);
       for (int r = 0; r < 4; ++r) {
-        const __m256 wf = dequantize8<OFFSET>(w + head + r * QK + c, d[r], mn[r]);
-        for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(wf, xv[m], acc[r][m]);
+        const vecf wf = dequantize<OFFSET>(w + head + r * QK + c, d[r], mn[r]);
+        for (int m = 0; m < MR; ++m) acc[r][m] = vfma(wf, xv[m], acc[r][m]);
       }
     }
   }
@@ -158,8 +173,8 @@ void q8f_rows(const uint8_t* w, int64_t K, const float* x, int64_t N, int64_t t,
     for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = hsum(acc[r][m]);
 }
 
-// The tile's weights dequantized to float exactly as q8f_rows does in registers -> buf (K / 8, 4, 8): per 8 columns,
-// the 4 rows' 8 values, in the order f32_rows reads them.
+// The tile's weights dequantized to float exactly as q8f_rows does in registers -> buf (K / VW, 4, VW): per VW
+// columns, the 4 rows' VW values, in the order f32_rows reads them.
 template <bool OFFSET>
 void dequantize_tile(const uint8_t* w, int64_t K, float* buf) {
   constexpr int64_t head = OFFSET ? 16 : 8;
@@ -167,24 +182,22 @@ void dequantize_tile(const uint8_t* w, int64_t K, float* buf) {
     alignas(16) float d[4], mn[4] = {};
     _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)w)));
     if (OFFSET) _mm_store_ps(mn, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(w + 8))));
-    for (int c = 0; c < QK; c += 8, buf += 32)
-      for (int r = 0; r < 4; ++r) {
-        _mm256_storeu_ps(buf + 8 * r, dequantize8<OFFSET>(w + head + r * QK + c, d[r], mn[r]));
-      }
+    for (int c = 0; c < QK; c += VW, buf += 4 * VW)
+      for (int r = 0; r < 4; ++r) vstore(buf + VW * r, dequantize<OFFSET>(w + head + r * QK + c, d[r], mn[r]));
   }
 }
 
 // MR rows against a tile dequantized by dequantize_tile: the same FMA chains as q8f_rows.
 template <int MR>
 void f32_rows(const float* buf, int64_t K, const float* x, int64_t N, int64_t t, float* y) {
-  __m256 acc[4][MR];
+  vecf acc[4][MR];
   for (int r = 0; r < 4; ++r)
-    for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8, buf += 32) {
-    __m256 xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int m = 0; m < MR; ++m) acc[r][m] = vzero();
+  for (int64_t k = 0; k < K; k += VW, buf += 4 * VW) {
+    vecf xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = vload(x + m * K + k);
     for (int r = 0; r < 4; ++r)
-      for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(buf + 8 * r), xv[m], acc[r][m]);
+      for (int m = 0; m < MR; ++m) acc[r][m] = vfma(vload(buf + VW * r), xv[m], acc[r][m]);
   }
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = hsum(acc[r][m]);
@@ -246,6 +259,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
     std::vector<float> buf(M >= 6 ? 4 * K : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = W + t * K / QK * tile_bytes;
+      if (t + 1 < t1) prefetch(wt + K / QK * tile_bytes, K / QK * tile_bytes);
       if (offset) q8f_tile<true>(wt, K, X, M, N, t, Y, buf.data());
       else q8f_tile<false>(wt, K, X, M, N, t, Y, buf.data());
       if (B)
@@ -278,6 +292,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
   at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
+      if (t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);
       q4_tile(W + t * tile_bytes, K, XQ, XS, M, N, t, Y);
       if (B)
         for (int64_t m = 0; m < M; ++m)

@@ -71,10 +71,28 @@ inline __m256i row_scales(int r) {
 // 16..31 of b, of b+1) times one activation row's 64 int8 as quantize_rows lays them out -> the 8 int32 partial dot
 // products: lanes 0-3 block b, 4-7 block b+1. Values up to 5 bits: u5 * i8 pair sums (<= 2 * 31 * 127) of both
 // halves still fit int16, so they add before widening.
+// With VNNI each vpdpbusd sums four products straight into int32: the same exact integers in two instructions.
 inline __m256i pair_dot(__m256i lo, __m256i hi, const int8_t* x) {
-  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x)),
-                                            _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)))),
+  const __m256i x0 = _mm256_loadu_si256((const __m256i*)x), x1 = _mm256_loadu_si256((const __m256i*)(x + 32));
+#ifdef __AVX512VNNI__
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
+#else
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)),
                            _mm256_set1_epi16(1));
+#endif
+}
+
+// Sums of four products (u - 32) * x, u in 0..63, into int32 lanes (Q6_K's offset values); exact either way
+// (maddubs(u, x) - maddubs(32, x) stays within +-24130 in int16).
+inline __m256i offset32_dot(__m256i u, __m256i x) {
+  const __m256i offset = _mm256_set1_epi8(32);
+#ifdef __AVX512VNNI__
+  return _mm256_sub_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x),
+                          _mm256_dpbusd_epi32(_mm256_setzero_si256(), offset, x));
+#else
+  return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(u, x), _mm256_maddubs_epi16(offset, x)),
+                           _mm256_set1_epi16(1));
+#endif
 }
 
 // One weight row's 32 bytes of a pair of 4-bit blocks (byte j of a block: q[j] | q[j + 16] << 4) times x.

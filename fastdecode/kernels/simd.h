@@ -1,6 +1,8 @@
-// Small AVX2 helpers shared by the kernels.
+// Small SIMD helpers shared by the kernels.
 #pragma once
 #include <immintrin.h>
+
+#include <cstdint>
 
 namespace fastdecode {
 
@@ -10,5 +12,41 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+// Asks for the cache lines of [p, p + bytes) ahead of use. The hardware prefetcher follows a stream only within a
+// 4 KB page, and a KV block or a weight tile often starts a new page: without this each one starts with a miss.
+template <int HINT = _MM_HINT_T0>
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, static_cast<_mm_hint>(HINT));
+}
+
+// vecf: the widest float vector of the build, VW lanes (16 where the build has AVX-512, else 8), for the loops whose
+// cost is FMAs (float matmuls, attention). A build sums in its own lane order, the same for every row and batch.
+#ifdef __AVX512F__
+constexpr int VW = 16;
+using vecf = __m512;
+inline vecf vzero() { return _mm512_setzero_ps(); }
+inline vecf vset1(float x) { return _mm512_set1_ps(x); }
+inline vecf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vecf v) { _mm512_storeu_ps(p, v); }
+inline vecf vfma(vecf a, vecf b, vecf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vecf vmul(vecf a, vecf b) { return _mm512_mul_ps(a, b); }
+// Lanes i and i + 8 added: the 8 lanes the AVX2 reductions take.
+inline __m256 halve(vecf v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+inline float hsum(__m512 v) { return hsum(halve(v)); }
+#else
+constexpr int VW = 8;
+using vecf = __m256;
+inline vecf vzero() { return _mm256_setzero_ps(); }
+inline vecf vset1(float x) { return _mm256_set1_ps(x); }
+inline vecf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vecf v) { _mm256_storeu_ps(p, v); }
+inline vecf vfma(vecf a, vecf b, vecf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vecf vmul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
+inline __m256 halve(vecf v) { return v; }
+#endif
 
 }  // namespace fastdecode

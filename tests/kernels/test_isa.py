@@ -1,0 +1,59 @@
+"""The kernels' two builds (jit.kernel_isa): AVX-512 with VNNI where the CPU has it, else AVX2. The wide build sums
+int8 products in the same exact integers and floats in its own lane order, so it must agree with the AVX2 build to
+float rounding, and the CPU's best build must be the one the package uses."""
+import logging
+
+import pytest
+import torch
+
+from fastdecode.kernels import decoder as native_decoder_module
+from fastdecode.kernels import jit, native_ops, native_ops_for
+from fastdecode.kernels.decoder import native_decoder
+from fastdecode.loading import load_model
+from fastdecode.quant import int4, int8
+from tests.helpers.checkpoints import checkpoint
+from tests.kernels.test_decoder import run
+
+wide = pytest.mark.skipif(not jit.cpu_has_avx512() or native_ops() is None,
+                          reason="needs a CPU with AVX-512 and VNNI, and the native kernels")
+
+
+def test_the_kernels_take_the_widest_build_unless_told_to_stay_narrow(monkeypatch, caplog):
+    best = "avx512" if jit.cpu_has_avx512() else "avx2"
+    monkeypatch.delenv("FASTDECODE_KERNEL_ISA", raising=False)
+    assert jit.kernel_isa() == best
+    monkeypatch.setenv("FASTDECODE_KERNEL_ISA", "avx2")
+    assert jit.kernel_isa() == "avx2"
+    monkeypatch.setenv("FASTDECODE_KERNEL_ISA", "sse2")
+    with caplog.at_level(logging.WARNING):
+        assert jit.kernel_isa() == best
+    assert "ignoring FASTDECODE_KERNEL_ISA=sse2" in caplog.text
+
+
+@wide
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
+def test_the_wide_build_computes_int4_matmuls_bit_for_bit_and_int8_to_rounding(rows):
+    narrow, wide_ops = native_ops_for("avx2"), native_ops_for("avx512")
+    g = torch.Generator().manual_seed(rows)
+    N, K = 64, 256
+    w4 = int4.pack_native(int4.to_blocks(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g)),
+                          torch.rand(N, K // 32, generator=g) * 0.01, -torch.rand(N, K // 32, generator=g) * 0.05)
+    w8 = int8.pack_native(torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g),
+                          torch.rand(N, K // 32, generator=g) * 0.01, None)
+    x = torch.randn(rows, K, generator=g)
+    assert torch.equal(wide_ops.q4_linear(x, w4, None), narrow.q4_linear(x, w4, None))
+    torch.testing.assert_close(wide_ops.q8_linear(x, w8, None), narrow.q8_linear(x, w8, None), rtol=1e-5, atol=1e-5)
+
+
+@wide
+@pytest.mark.parametrize("name", ["llama", "mistral_window"])
+def test_the_wide_build_decodes_as_the_narrow_one(name, monkeypatch):
+    """Attention in 16-float vectors (head size 16) and the whole step. Float weights: in an int4 model, a last-bit
+    difference can flip an activation's int8 rounding, which moves logits by a quantization step."""
+    model = load_model(checkpoint(name).hf_dir)
+    model.setup_cache(64)
+    wide_logits = run(model, native_decoder(model))
+    monkeypatch.setattr(native_decoder_module, "native_ops", lambda: native_ops_for("avx2"))
+    model.setup_cache(64)
+    narrow_logits = run(model, native_decoder(model))
+    assert (wide_logits - narrow_logits).abs().max().item() <= 1e-4
