@@ -331,8 +331,10 @@ void chunk_part(const float* const* q, const Visible& s, const KV* k, const KV* 
   const int64_t n = walk_chunk(s, sr, block_size, c, [&](auto slot, int64_t j, int64_t cnt, SlotRange next) {
     // The KV cache is read from memory, a block (a page) at a time: ask for this run's values (needed after the
     // chunk's softmax) and the next run's keys ahead of their use, and for the very first keys at once.
-    if (j == 0 && cnt > 1 && slot(cnt - 1) == slot(0) + cnt - 1) prefetch(k + slot(0) * hd, cnt * row_bytes);
-    if (cnt > 1 && slot(cnt - 1) == slot(0) + cnt - 1) prefetch<_MM_HINT_T1>(v + slot(0) * hd, cnt * row_bytes);
+    if (slot(cnt - 1) == slot(0) + cnt - 1) {  // contiguous (a tree's tail may not be)
+      if (j == 0) prefetch(k + slot(0) * hd, cnt * row_bytes);
+      prefetch<_MM_HINT_T1>(v + slot(0) * hd, cnt * row_bytes);
+    }
     prefetch(k + next.first * hd, next.n * row_bytes);
     float* pj[NQ];
     for (int r = 0; r < NQ; ++r) pj[r] = p[r] + j;

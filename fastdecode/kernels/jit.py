@@ -26,11 +26,11 @@ log = logging.getLogger(__name__)
 # Named instruction sets, not -march=native: a cached build must also run on another CPU of the machine pool. Each
 # kernel is built once per set it may run on; the CPU picks one at run time (kernel_isa). The sources test the
 # compiler's macros (__AVX512F__, __AVX512VNNI__) to take wider paths.
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 ISA_FLAGS = {
-    "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+    "avx2": AVX2_FLAGS,
     # Ice Lake and later Xeons, Zen 4 and later: 16-float vectors and int8 dot products in one instruction (vpdpbusd).
-    "avx512": ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-               "-mavx512vnni", "-fopenmp"],
+    "avx512": AVX2_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
 }
 LDFLAGS = ["-fopenmp"]
 STALE_LOCK_S = 30 * 60  # a build takes 30-90 s on 2 cores; a lock this old belongs to a build that died

@@ -1,11 +1,11 @@
 // Quantized matmuls for x86 with AVX2 (+FMA, F16C); the AVX-512 build (jit.py) sums int8 products with VNNI's vpdpbusd
-// (the same integers) and runs the float FMAs on 16-float vectors (its own summation order). q8_linear is weight-only: float activations times int8
-// weights dequantized in registers. q4_linear works as llama.cpp's Q4_1 dot product: each activation row is
-// quantized to int8 in blocks of 32 (scale d = amax / 127), and the u4 x int8 products are summed with
-// vpmaddubsw / vpmaddwd, then scaled per block in float. Several activation rows (a verify step, a prefill) share
-// each weight tile: int4 unpacks a weight row's nibbles once for up to 8 rows, int8 dequantizes a tile once for 6
-// rows or more. Either way each output is the same arithmetic whatever the number of rows, so a verify step
-// reproduces the decode steps it replaces bit for bit.
+// (the same integers) and runs the float FMAs on 16-float vectors (its own summation order). q8_linear is weight-only:
+// float activations times int8 weights dequantized in registers. q4_linear works as llama.cpp's Q4_1 dot product: each
+// activation row is quantized to int8 in blocks of 32 (scale d = amax / 127), and the u4 x int8 products are summed
+// with vpmaddubsw / vpmaddwd, then scaled per block in float. Several activation rows (a verify step, a prefill) share
+// each weight tile: int4 unpacks a weight row's nibbles once for up to 8 rows, int8 dequantizes a tile once for 6 rows
+// or more. Either way each output is the same arithmetic whatever the number of rows, so a verify step reproduces the
+// decode steps it replaces bit for bit.
 //
 // Weights are stored tile-major, in the order the kernel reads them, so that each thread reads one sequential
 // stream (the hardware prefetcher's best case):
@@ -31,6 +31,10 @@ namespace {
 constexpr int64_t QK = 32;
 
 using fastdecode::hsum;
+using fastdecode::pair_dot;
+using fastdecode::prefetch;
+using fastdecode::quantize_rows;
+using fastdecode::row_scales;
 using fastdecode::vecf;
 using fastdecode::vfma;
 using fastdecode::vload;
@@ -39,10 +43,6 @@ using fastdecode::vset1;
 using fastdecode::vstore;
 using fastdecode::VW;
 using fastdecode::vzero;
-using fastdecode::pair_dot;
-using fastdecode::prefetch;
-using fastdecode::quantize_rows;
-using fastdecode::row_scales;
 
 // MR quantized activation rows against one tile of 4 rows of 4-bit weights -> y[m][4 t + r]. One pass over K per
 // weight row, the row's nibbles unpacked once per pair of blocks and used for all MR activation rows (whose
