@@ -111,9 +111,16 @@ class Leader:
                 return
             self.stopped.set()
             try:
-                self._header(Op.STOP)
+                header = self._header(Op.STOP)
             except Exception:  # noqa: BLE001 - a dead follower: nothing left to stop
-                pass
+                return
+            # gloo's worker thread lets go of a broadcast's tensor only after the broadcast has returned, and letting
+            # go takes the GIL; when the interpreter is exiting by then, Python ends that thread inside C++ and the
+            # process aborts ("terminate called without an active exception", about one run in five). So wait
+            # until the worker holds no reference to this last tensor.
+            deadline = time.monotonic() + 1.0
+            while header._use_count() > 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
 
     @contextmanager
     def failures(self):
@@ -129,11 +136,12 @@ class Leader:
 
     # ---- wire --------------------------------------------------------------------------------------------------
     def _header(self, op: Op, start=0, batch=0, tokens=0, all_logits=False, layers=None, positions=False,
-                mask=False, payload=0):
+                mask=False, payload=0) -> torch.Tensor:
         header = torch.tensor([op, start, batch, tokens, int(all_logits), -1 if layers is None else layers,
                                int(positions), int(mask), payload], dtype=torch.long)
         dist.broadcast(header, 0, group=self.group.pg)
         self.last_sent = time.monotonic()
+        return header
 
     def _send(self, op, tokens, start, positions, tree_mask, layers, all_logits=False):
         parts = [tokens.reshape(-1).long()]
