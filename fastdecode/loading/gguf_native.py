@@ -36,7 +36,7 @@ from fastdecode.models import model_class
 from fastdecode.models.transformer import PACKED_MODULES
 from fastdecode.quant import build_linear, encode_linear, fits
 from fastdecode.quant.embedding import QuantEmbedding
-from fastdecode.quant.repack import concat
+from fastdecode.quant.repack import ShardArena
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class ModuleLoader:
         self.tensors = {hf_name(t.name, config.family): t for t in f.tensors.values()}
         self.tensors.update(expert_tensors(f))  # an MoE file's stacked experts, one view of the file per expert
         self.kept, self.requantized = Counter(), Counter()
+        self.arena = ShardArena()
         self.exact: set[str] = set()  # modules that hold the file's blocks as they are
 
     def tensor(self, name: str):
@@ -145,10 +146,10 @@ class ModuleLoader:
         scheme = layouts.pop()[0] if len(layouts) == 1 else None  # Q5_0 beside Q8_0 is one int8 layout
         if scheme and fits(scheme, N, K, 32):
             # Views of the mapped file (block_tensors): a lone matrix is read once, by its packing; shards are joined
-            # first (q/k/v, gate/up: one copy more).
+            # first (q/k/v, gate/up: one copy more, into the loader's reused arena).
             parts = [block_tensors(t, permuted_heads(f"{s}.weight", self.config)) for s, t in zip(sources, shards)]
-            blocks = {k: concat([p[k] for p in parts]) for k in parts[0]}
-            linear = build_linear(blocks, scheme, bias, K, 32, self.backend)
+            linear = build_linear(self.arena.join(parts), scheme, bias, K, 32, self.backend)
+            self.arena.release(linear)
             for t in shards:
                 self.f.release(t)
             self.kept["/".join(sorted({t.type.name for t in shards}))] += 1
