@@ -30,8 +30,9 @@ namespace {
 // Tensors of one layer, in this order (an empty tensor stands for "absent").
 enum Slot {
   IN_NORM, POST_ATTN_NORM, PRE_FF_NORM, POST_FF_NORM, Q_NORM, K_NORM,
-  QKV_W, QKV_B, O_W, O_B, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, SLOTS
+  QKV_W, QKV_B, QKV2_W, QKV2_B, O_W, O_B, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, SLOTS
 };
+// QKV2: the q/k/v's second part where its rows come in two formats (a Q4_K_M file's Q6_K v beside Q4_K q/k).
 
 inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
@@ -627,6 +628,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
 
     for (int64_t t = 0; t < T; ++t) rms_norm(X + t * D, w[IN_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
     at::Tensor qkv = linear(h, w[QKV_W], w[QKV_B]);  // (T, qn + 2 kn)
+    if (present(w[QKV2_W])) qkv = at::cat({qkv, linear(h, w[QKV2_W], w[QKV2_B])}, 1);
     void* kc = w[K_CACHE].data_ptr();
     void* vc = w[V_CACHE].data_ptr();
     const auto write = [half](const float* x, int64_t n, void* cache, int64_t at) {

@@ -5,33 +5,47 @@ import torch
 from torch import nn
 
 from fastdecode.kernels import native_ops
+from fastdecode.quant.split import RowSplitLinear
 
 EMPTY = torch.empty(0)
 ZERO_TABLE = torch.zeros(1, 1, dtype=torch.long)
-SLOTS = 16  # tensors per layer, in decode_step.cpp's Slot order
+SLOTS = 18  # tensors per layer, in decode_step.cpp's Slot order
 
 
-def linear_tensors(module: nn.Module) -> list[torch.Tensor] | None:
-    """(weight, bias) as decode_step.cpp takes them, or None for a linear it cannot run."""
+def linear_tensors(module: nn.Module, parts: int = 1) -> list[torch.Tensor] | None:
+    """(weight, bias) per part as decode_step.cpp takes them, `parts` pairs (a lone linear, then empty pairs; a
+    RowSplitLinear of up to `parts` parts), or None for a linear it cannot run."""
+    if isinstance(module, RowSplitLinear):
+        pairs = [linear_tensors(p) for p in module.parts]
+        if len(pairs) > parts or any(pair is None for pair in pairs):
+            return None
+        return [t for pair in pairs for t in pair] + [EMPTY, EMPTY] * (parts - len(pairs))
     bias = module.bias if module.bias is not None else EMPTY
-    if isinstance(module, nn.Linear):
-        return [module.weight, bias] if module.weight.dtype == torch.float32 else None
-    if getattr(module, "backend", None) == "native":  # Int8Linear, Int4Linear: scales live in the packed weight
-        return [module.qweight, bias]
-    return None
+    if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
+        weight = module.weight
+    elif getattr(module, "backend", None) == "native":  # Int8Linear, Int4Linear: scales live in the packed weight
+        weight = module.qweight
+    else:
+        return None
+    return [weight, bias] + [EMPTY, EMPTY] * (parts - 1)
 
 
-def layer_weights(block) -> list[torch.Tensor]:
-    """A block's norms and linears in decode_step.cpp's slot order, without the cache (the last two slots)."""
+def layer_tensors(block) -> list[list[torch.Tensor] | None]:
+    """A block's norms, then its linears' (weight, bias) pairs (q/k/v: two parts), in decode_step.cpp's slot order."""
     attn, mlp = block.self_attn, block.mlp
 
     def norm(name, owner=block):
         m = getattr(owner, name, None)
         return m.weight if m is not None else EMPTY
-    return [norm("input_layernorm"), norm("post_attention_layernorm"), norm("pre_feedforward_layernorm"),
-            norm("post_feedforward_layernorm"), norm("q_norm", attn), norm("k_norm", attn),
-            *linear_tensors(attn.qkv_proj), *linear_tensors(attn.o_proj), *linear_tensors(mlp.gate_up_proj),
-            *linear_tensors(mlp.down_proj)]
+    return [[norm("input_layernorm"), norm("post_attention_layernorm"), norm("pre_feedforward_layernorm"),
+             norm("post_feedforward_layernorm"), norm("q_norm", attn), norm("k_norm", attn)],
+            linear_tensors(attn.qkv_proj, parts=2), linear_tensors(attn.o_proj), linear_tensors(mlp.gate_up_proj),
+            linear_tensors(mlp.down_proj)]
+
+
+def layer_weights(block) -> list[torch.Tensor]:
+    """A block's tensors in decode_step.cpp's slot order, without the cache (the last two slots)."""
+    return [t for group in layer_tensors(block) for t in group]
 
 
 def model_supported(model) -> bool:
@@ -39,10 +53,7 @@ def model_supported(model) -> bool:
     and every linear one decode_step.cpp runs."""
     if any(not hasattr(block.mlp, "gate_up_proj") for block in model.layers):
         return False
-    layers_ok = all(
-        linear_tensors(m) is not None
-        for block in model.layers
-        for m in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj))
+    layers_ok = all(group is not None for block in model.layers for group in layer_tensors(block))
     return (model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.device.type == "cpu"
             and layers_ok)
 

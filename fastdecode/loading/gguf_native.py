@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import Counter
+from itertools import groupby
 
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -37,6 +38,7 @@ from fastdecode.models.transformer import PACKED_MODULES
 from fastdecode.quant import build_linear, encode_linear, fits
 from fastdecode.quant.embedding import QuantEmbedding
 from fastdecode.quant.repack import ShardArena
+from fastdecode.quant.split import RowSplitLinear
 
 log = logging.getLogger(__name__)
 
@@ -142,19 +144,21 @@ class ModuleLoader:
         bias = None if bias is None else torch.cat([self.float_weight(f"{s}.bias") for s in sources])
         kinds = {t.type for t in shards}
         kind = kinds.pop() if len(kinds) == 1 else None
-        layouts = {(KEPT.get(t.type), t.type in WITH_MINS) for t in shards}
-        scheme = layouts.pop()[0] if len(layouts) == 1 else None  # Q5_0 beside Q8_0 is one int8 layout
-        if scheme and fits(scheme, N, K, 32):
-            # Views of the mapped file (block_tensors): a lone matrix is read once, by its packing; shards are joined
-            # first (q/k/v, gate/up: one copy more, into the loader's reused arena).
-            parts = [block_tensors(t, permuted_heads(f"{s}.weight", self.config)) for s, t in zip(sources, shards)]
-            linear = build_linear(self.arena.join(parts), scheme, bias, K, 32, self.backend)
-            self.arena.release(linear)
-            for t in shards:
-                self.f.release(t)
-            self.kept["/".join(sorted({t.type.name for t in shards}))] += 1
+        # Runs of shards in one layout (Q5_0 beside Q8_0 is one int8 layout) are kept as they are, one module each; a
+        # q/k/v in two layouts (a Q4_K_M file's Q4_K q/k beside a Q6_K v) is a RowSplitLinear of two, which
+        # decode_step.cpp runs. Anything else is requantized below.
+        layout = lambda t: (KEPT.get(t.type), t.type in WITH_MINS)  # noqa: E731
+        runs = [list(run) for _, run in groupby(zip(sources, shards), key=lambda pair: layout(pair[1]))]
+        rows = [sum(t.shape[0] for _, t in run) for run in runs]
+        schemes = [KEPT.get(run[0][1].type) for run in runs]
+        if (len(runs) == 1 or (name.endswith("qkv_proj") and len(runs) == 2)) and all(
+                scheme and fits(scheme, n, K, 32) for scheme, n in zip(schemes, rows)):
+            parts, start = [], 0
+            for run, n in zip(runs, rows):
+                parts.append(self.kept_linear(run, None if bias is None else bias[start:start + n], K))
+                start += n
             self.exact.add(name)
-            return linear
+            return parts[0] if len(parts) == 1 else RowSplitLinear(parts)
         w = torch.cat([self.float_weight(f"{s}.weight") for s in sources]).to(self.dtype)
         if kind in FLOAT_TYPES:  # float stays float, as in the float model
             module.weight = nn.Parameter(w, requires_grad=False)
@@ -162,6 +166,18 @@ class ModuleLoader:
             return module
         self.requantized["/".join(sorted({t.type.name for t in shards}))] += 1
         return build_linear(encode_linear(w, "int8", backend=self.backend), "int8", bias, K, backend=self.backend)
+
+    def kept_linear(self, run: list[tuple[str, object]], bias: torch.Tensor | None, K: int) -> nn.Module:
+        """(source name, tensor) shards of one layout -> one quant module holding their blocks as they are. Views of
+        the mapped file (block_tensors): a lone matrix is read once, by its packing; shards are joined first (q/k/v,
+        gate/up: one copy more, into the loader's reused arena)."""
+        parts = [block_tensors(t, permuted_heads(f"{s}.weight", self.config)) for s, t in run]
+        linear = build_linear(self.arena.join(parts), KEPT[run[0][1].type], bias, K, 32, self.backend)
+        self.arena.release(linear)
+        for _, t in run:
+            self.f.release(t)
+        self.kept["/".join(sorted({t.type.name for _, t in run}))] += 1
+        return linear
 
     def embedding(self, model: nn.Module) -> nn.Module:
         """Rows from the tied lm_head's blocks, or from the file's own embedding blocks, where those are kept as they

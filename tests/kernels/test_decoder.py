@@ -10,6 +10,7 @@ from fastdecode.kernels.decoder import NativeDecoder, native_decoder
 from fastdecode.loading import load_model
 from fastdecode.models.transformer import Transformer
 from fastdecode.quant import KQuantLinear, quantize_model
+from fastdecode.quant.split import RowSplitLinear
 from fastdecode.speculative.draft import Draft
 from tests.helpers.checkpoints import SPECS, VOCAB_SIZE, checkpoint, kquant_gguf, prompt_tokens
 
@@ -97,17 +98,22 @@ K_TYPES = {"attn_v": QType.Q6_K, "attn_output": QType.Q5_K, "ffn_down": QType.Q6
 def test_native_decode_of_k_quants_equals_their_pytorch_forward():
     model = load_model(kquant_gguf("llama_k", K_TYPES), quant="gguf")
     assert isinstance(model.layers[0].mlp.down_proj, KQuantLinear)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, RowSplitLinear)  # Q4_K q/k, Q6_K v
     model.setup_cache(64)
     decoder = native_decoder(model)
-    assert decoder is not None  # every K-quant module is one the step runs
+    assert decoder is not None  # every K-quant module is one the step runs, the two-format q/k/v too
     ours = run(model, decoder)
     reference = run(model, lambda t, p: decode_one_token(model, t, p))
-    assert (ours - reference).abs().max().item() <= 1e-4
+    # The same kernels on the same activations, but the attention sums in another order, and a 1e-7 difference can
+    # flip one activation's int8 rounding in a linear that quantizes them (all of them here): that step's logits
+    # then move by about 1e-2 (one step in 12 on this model).
+    steps = (ours - reference).abs().reshape(STEPS, -1).amax(-1)
+    assert (steps <= 1e-4).sum() >= STEPS - 2 and steps.max() < 0.1
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
 
 
 def test_native_decode_of_k_quants_stays_near_the_dequantized_float_model():
-    path = kquant_gguf("llama_k", {**K_TYPES, "attn_v": QType.Q4_K})  # nothing requantized: q/k/v all Q4_K
+    path = kquant_gguf("llama_k", K_TYPES)  # nothing requantized: q/k/v in two parts, each the file's blocks
     model, float_model = load_model(path, quant="gguf"), load_model(path)
     model.setup_cache(64)
     float_model.setup_cache(64)

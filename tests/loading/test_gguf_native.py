@@ -19,6 +19,7 @@ from fastdecode.quant import Int4Linear, Int8Linear, KQuantLinear, quantize_mode
 from fastdecode.quant.embedding import QuantEmbedding
 from fastdecode.quant.int4 import dequantize_groupwise, from_blocks
 from fastdecode.quant.int8 import dequantize_blockwise
+from fastdecode.quant.split import RowSplitLinear
 from tests.helpers.checkpoints import build_model, checkpoint, kquant_gguf, scratch_dir, write_gguf
 from tests.helpers.tiny import logits
 
@@ -186,7 +187,7 @@ def test_missing_tensor_raises_model_file_error(tmp_path):
 K_TYPES = {"attn_v": QType.Q6_K, "attn_output": QType.Q5_K, "ffn_down": QType.Q6_K, "output": QType.Q6_K}
 
 
-def test_k_quant_blocks_become_kquant_modules_and_a_mixed_qkv_falls_back_to_int8(caplog):
+def test_k_quant_blocks_become_kquant_modules_and_a_mixed_qkv_keeps_both_formats(caplog):
     path = kquant_gguf("llama_k", K_TYPES)
     with caplog.at_level(logging.WARNING):
         kept = load_gguf_native(path, backend="aten")  # K-quants dequantize: the file's weights, exactly
@@ -194,10 +195,13 @@ def test_k_quant_blocks_become_kquant_modules_and_a_mixed_qkv_falls_back_to_int8
     kinds = {name: m.kind for name, m in kept.named_modules() if isinstance(m, KQuantLinear)}
     assert kinds["layers.0.self_attn.o_proj"] == "q5_k" and kinds["layers.0.mlp.gate_up_proj"] == "q4_k"
     assert kinds["layers.0.mlp.down_proj"] == "q6_k" and kinds["lm_head"] == "q6_k"
-    assert isinstance(block.self_attn.qkv_proj, Int8Linear)  # Q4_K q/k + Q6_K v: one module holds one format ...
-    assert "Q4_K/Q6_K" in caplog.text and "requantized to int8" in caplog.text  # ... and the log says so
+    # Q4_K q/k + Q6_K v: two parts, each the file's own blocks, and nothing requantized
+    qkv = block.self_attn.qkv_proj
+    assert isinstance(qkv, RowSplitLinear) and [p.kind for p in qkv.parts] == ["q4_k", "q6_k"]
+    assert "requantized" not in caplog.text
     model = load_model(path)  # the float model: gguf's dequantization
-    for name in ("layers.0.self_attn.o_proj", "layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj", "lm_head"):
+    for name in ("layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.1.mlp.gate_up_proj",
+                 "layers.1.mlp.down_proj", "lm_head"):
         w = model.get_submodule(name).weight
         assert torch.equal(kept.get_submodule(name)(torch.eye(w.shape[1])).T, w), name
     table = kept.embed_tokens
@@ -221,7 +225,7 @@ def test_tied_k_quant_embedding_shares_the_lm_head_and_reads_the_files_rows():
 
 @pytest.mark.parametrize("name,types", [("llama_k", K_TYPES), ("qwen2_k", {"token_embd": QType.Q6_K})])
 def test_k_quant_model_logits_agree_with_the_dequantized_model(name, types):
-    # Native kernels round activations to int8 per block of 32 (and the mixed qkv is requantized): near, not equal.
+    # Native kernels round activations to int8 per block of 32: near, not equal.
     path = kquant_gguf(name, types)
     ref, out = logits(load_model(path), TOKENS), logits(load_model(path, quant="gguf"), TOKENS)
     assert (out - ref).norm() / ref.norm() < 0.05
