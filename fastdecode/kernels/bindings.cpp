@@ -7,6 +7,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor copy_strided(at::Tensor dst, const at::Tensor& src);
+void kq_pack(at::Tensor out, const at::Tensor& blocks);
 }  // namespace fastdecode
 
 at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
@@ -23,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ W.T + bias, W a GGUF K-quant (Q4_K, Q5_K, Q6_K) packed (N/4, K/256, 592 | 720 | 840)");
   m.def("copy_strided", &fastdecode::copy_strided, py::call_guard<py::gil_scoped_release>(),
         "dst[...] = src (one dtype and shape, any strides), contiguous runs moved as one, split across threads");
+  m.def("kq_pack", &fastdecode::kq_pack, py::call_guard<py::gil_scoped_release>(),
+        "a GGUF Q4_K / Q5_K tensor's super-blocks -> kq_linear's packed tiles, written into out");
   // The GIL is released: a server's event loop keeps answering while a step runs.
   m.def("forward_batch", &forward_batch, py::call_guard<py::gil_scoped_release>(),
         "the new rows of a batch of sequences (decode steps, prompt chunks, draft trees) through every layer over a "

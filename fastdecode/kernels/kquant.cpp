@@ -244,4 +244,62 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   return y;
 }
 
+// A Q4_K or Q5_K tensor's super-blocks (N, K/256, 144 | 176) uint8 (rows and super-blocks may be strided, a super-
+// block's bytes contiguous: a view of the mapped file) -> `out` (N/4, K/256, 592 | 720) in the layout above, written
+// once. One pass over the file's bytes: the nibble regrouping on 8-byte words, the 6-bit scales and the fifth bits
+// per super-block (Q6_K is byte runs only: quant/kquant.py moves them).
+void kq_pack(at::Tensor out, const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.stride(2) == 1 &&
+              (blocks.size(2) == 144 || blocks.size(2) == 176), "kq_pack: need Q4_K or Q5_K super-blocks");
+  const int64_t N = blocks.size(0), S = blocks.size(1);
+  const bool q5 = blocks.size(2) == 176;
+  const int64_t tile = q5 ? Q5K_BYTES : Q4K_BYTES;
+  TORCH_CHECK(N % 4 == 0 && out.is_contiguous() && out.scalar_type() == at::kByte && out.size(0) == N / 4 &&
+              out.size(1) == S && out.size(2) == tile, "kq_pack: bad output");
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t row_stride = blocks.stride(0), block_stride = blocks.stride(1);
+  at::parallel_for(0, N / 4 * S, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / S, s = i % S;
+      uint8_t* o = dst + i * tile;
+      for (int r = 0; r < 4; ++r) {
+        const uint8_t* b = in + (4 * t + r) * row_stride + s * block_stride;
+        std::memcpy(o + 2 * r, b, 2);  // d
+        std::memcpy(o + 8 + 2 * r, b + 2, 2);  // dmin
+        const uint8_t* sc = b + 4;  // gguf's get_scale_min_k4
+        for (int j = 0; j < 8; ++j) {
+          const uint8_t scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+          const uint8_t min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+          o[16 + (j / 2) * 8 + 2 * r + j % 2] = scale;  // (pair, row, sub-block of the pair)
+          o[48 + (j / 2) * 8 + 2 * r + j % 2] = min;
+        }
+        const uint8_t* qs = b + (q5 ? 48 : 16);
+        for (int p = 0; p < 4; ++p) {  // sub-block 2p: the low nibbles of pair p's 32 bytes, 2p + 1 the high ones
+          uint8_t* q = o + tile - 512 + p * 128 + r * 32;
+          for (int w = 0; w < 2; ++w) {
+            uint64_t lo, hi;
+            std::memcpy(&lo, qs + 32 * p + 8 * w, 8);  // bytes j, and j + 16 below
+            std::memcpy(&hi, qs + 32 * p + 16 + 8 * w, 8);
+            const uint64_t low = (lo & 0x0F0F0F0F0F0F0F0FULL) | ((hi << 4) & 0xF0F0F0F0F0F0F0F0ULL);
+            const uint64_t high = ((lo >> 4) & 0x0F0F0F0F0F0F0F0FULL) | (hi & 0xF0F0F0F0F0F0F0F0ULL);
+            std::memcpy(q + 8 * w, &low, 8);  // byte j = q[j] | q[j + 16] << 4 of sub-block 2p
+            std::memcpy(q + 16 + 8 * w, &high, 8);
+          }
+        }
+        if (q5) {  // element 32 k + l's fifth bit is bit k of qh[l]; ours, byte 16 h + e: bit 2p that of element
+          const uint8_t* qh = b + 16;  // 32 (2p + h) + e, bit 2p + 1 that of element 32 (2p + h) + 16 + e
+          for (int h = 0; h < 2; ++h)
+            for (int e = 0; e < 16; ++e) {
+              uint8_t bits = 0;
+              for (int p = 0; p < 4; ++p)
+                bits |= ((qh[e] >> (2 * p + h)) & 1) << (2 * p) | ((qh[16 + e] >> (2 * p + h)) & 1) << (2 * p + 1);
+              o[80 + r * 32 + 16 * h + e] = bits;
+            }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace fastdecode

@@ -53,6 +53,9 @@ def pack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     and 4 times fewer elements than bytes; blocks may be a strided view of a mapped file."""
     N, S, _ = blocks.shape
     out = memory.zeros(N // 4, S, TILE_BYTES[kind], dtype=torch.uint8)
+    if kind != "q6_k" and (ops := native_ops()) is not None and blocks.stride(2) == 1:
+        ops.kq_pack(out, blocks)  # the same bytes in one pass (kquant.cpp); what follows is the fallback
+        return out
     d_at = 208 if kind == "q6_k" else 0
     move(out[..., :8].view(N // 4, S, 4, 2), tiles(blocks[..., d_at:d_at + 2]))  # d
     if kind == "q6_k":

@@ -6,7 +6,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize as gguf_dequantize
 
-from fastdecode.quant import KQuantLinear
+from fastdecode.quant import KQuantLinear, kquant
 from fastdecode.quant.kquant import FILE_BYTES, TILE_BYTES, native_fits
 from fastdecode.quant.kquant_blocks import quantize, random_blocks
 
@@ -33,6 +33,17 @@ def test_packed_blocks_dequantize_to_ggufs_values_bit_for_bit(kind, d_range):
     layer = KQuantLinear(b, kind, backend="dequant")
     assert layer.qweight.shape == (8, 4, TILE_BYTES[kind])
     assert torch.equal(layer.dequantize(), gguf_weight(b, kind))
+
+
+@NATIVE
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k"])
+def test_native_packing_writes_the_bytes_of_the_pytorch_packing(monkeypatch, kind):
+    # kquant.cpp's kq_pack against pack()'s own torch ops, on a strided view of the blocks (as a file's rows are)
+    wide = blocks(kind, 12, 768, seed=2, d_range=None)
+    b = torch.cat([wide, wide], dim=1)[:, ::2]  # rows and super-blocks strided, each super-block's bytes contiguous
+    native = kquant.pack(b, kind)
+    monkeypatch.setattr(kquant, "native_ops", lambda: None)
+    assert torch.equal(native, kquant.pack(b, kind))
 
 
 @pytest.mark.parametrize("kind", KINDS)
