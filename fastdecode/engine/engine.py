@@ -71,6 +71,7 @@ class Engine:
                                                name="fastdecode-engine", daemon=True)
                 self.thread.start()
                 _STARTED.add(self)
+                _THREADS.add(self.thread)
         return seq
 
     def abort(self, seq: Sequence):
@@ -279,16 +280,21 @@ class Engine:
             self.kv.release(table)
 
 
-# Engines whose thread runs. A daemon thread still inside an OpenMP region when the interpreter exits makes libgomp
-# abort the process ("terminate called without an active exception", exit code 134) after the program's work is
-# done, so every engine is stopped before exit.
+# Engines whose thread runs, and those threads. A daemon thread still inside an OpenMP region or freeing tensors
+# when the interpreter exits makes the process abort ("terminate called without an active exception", exit code 134)
+# after the program's work is done, so every engine is stopped, and every engine thread joined, before exit. The
+# threads are tracked apart: an engine that only its own thread still held is freed in that thread (a model's worth of
+# tensors), after it has left _STARTED.
 _STARTED: weakref.WeakSet = weakref.WeakSet()
+_THREADS: weakref.WeakSet = weakref.WeakSet()
 
 
 @atexit.register
 def _stop_engines():
     for engine in list(_STARTED):
         engine.stop()
+    for thread in list(_THREADS):
+        thread.join(5.0)
 
 
 @torch.inference_mode()
