@@ -48,9 +48,10 @@ def tiles(t: torch.Tensor) -> torch.Tensor:
 def pack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """The file's blocks (N, K/256, FILE_BYTES) uint8 -> (N/4, K/256, TILE_BYTES) uint8 in kquant.cpp's layout.
 
-    Written once into the output: byte runs are moved (repack.move), and Q4_K/Q5_K's nibble regrouping and 6-bit scale
-    unpacking run on 8- and 4-byte words with bytewise masks (a shift across bytes only moves bits the mask drops), 8
-    and 4 times fewer elements than bytes; blocks may be a strided view of a mapped file."""
+    Written once into the output; blocks may be a strided view of a mapped file. Q4_K/Q5_K go through the native
+    kq_pack in one pass where it is built. Otherwise byte runs are moved (repack.move), and the nibble regrouping and
+    6-bit scale unpacking run on 8- and 4-byte words with bytewise masks (a shift across bytes only moves bits the mask
+    drops), 8 and 4 times fewer elements than bytes."""
     N, S, _ = blocks.shape
     out = memory.zeros(N // 4, S, TILE_BYTES[kind], dtype=torch.uint8)
     if kind != "q6_k" and (ops := native_ops()) is not None and blocks.stride(2) == 1:
