@@ -15,7 +15,7 @@ from fastdecode.kernels.jit import build, kernel_isa, native_enabled
 __all__ = ["kernel_isa", "native_enabled", "native_ops"]
 
 SOURCES = [Path(__file__).with_name(n)
-           for n in ("quant.cpp", "kquant.cpp", "decode_step.cpp", "copy.cpp", "bindings.cpp")]
+           for n in ("quant.cpp", "amx.cpp", "kquant.cpp", "decode_step.cpp", "copy.cpp", "bindings.cpp")]
 
 
 @functools.cache

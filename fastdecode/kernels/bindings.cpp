@@ -8,6 +8,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
 at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor copy_strided(at::Tensor dst, const at::Tensor& src);
 void kq_pack(at::Tensor out, const at::Tensor& blocks);
+bool amx_int8_ready();
 }  // namespace fastdecode
 
 at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
@@ -20,6 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W 8-bit packed (N/4, K/32, 144 or 136) with fp16 block scales (and offsets)");
   m.def("q4_linear", &fastdecode::q4_linear,
         "y = x @ W.T + bias, W 4-bit packed (N/4, K/64, 160) with fp16 scales and mins");
+  m.def("amx_int8_ready", &fastdecode::amx_int8_ready,
+        "whether q4_linear runs 16 rows or more on AMX int8 tiles (a CPU with AMX, allowed by the OS, FASTDECODE_AMX "
+        "not 0, the AVX-512 build)");
   m.def("kq_linear", &fastdecode::kq_linear,
         "y = x @ W.T + bias, W a GGUF K-quant (Q4_K, Q5_K, Q6_K) packed (N/4, K/256, 592 | 720 | 840)");
   m.def("copy_strided", &fastdecode::copy_strided, py::call_guard<py::gil_scoped_release>(),

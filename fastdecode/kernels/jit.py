@@ -30,7 +30,10 @@ AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 ISA_FLAGS = {
     "avx2": AVX2_FLAGS,
     # Ice Lake and later Xeons, Zen 4 and later: 16-float vectors and int8 dot products in one instruction (vpdpbusd).
-    "avx512": AVX2_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
+    "avx512": AVX2_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                            # AMX's int8 tiles (Sapphire Rapids and later) are used only where amx.cpp finds them at
+                            # run time: the flags let the compiler emit them, it never does so on its own.
+                            "-mamx-tile", "-mamx-int8"],
 }
 LDFLAGS = ["-fopenmp"]
 STALE_LOCK_S = 30 * 60  # a build takes 30-90 s on 2 cores; a lock this old belongs to a build that died

@@ -17,10 +17,12 @@
 //   (row, block) order, then each row's 32 bytes; byte j of a block holds q[j] | q[j + 16] << 4.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "quant_rows.h"
@@ -44,29 +46,23 @@ using fastdecode::vstore;
 using fastdecode::VW;
 using fastdecode::vzero;
 
-// MR quantized activation rows against one tile of 4 rows of 4-bit weights -> y[m][4 t + r]. One pass over K per
-// weight row, the row's nibbles unpacked once per pair of blocks and used for all MR activation rows (whose
-// accumulators are all that stays in registers, so MR can be large). For every output the arithmetic is the same
-// whatever MR: a row's result does not depend on how many rows share the call (verify steps reproduce decode steps).
+// The int4 arithmetic, for every output (activation row m, weight row n), whatever kernel computes it (the AVX2/VNNI
+// ones below or the AMX tiles of amx.cpp, which reproduce it bit for bit): each block b of 32 gives an exact integer
+// sum s_b; E = the FMA chain over the even blocks, in order, of float(s_b) * (d_w * d_x), O the same over the odd
+// blocks; ME and MO the chains of m_w * sx over the even and odd blocks (the weight mins' share); y = ((E + O) + ME)
+// + MO. Exact per-block integers are what let tiles of any shape (AMX's 16 x 16) compute the same result.
+
+// The per-block sums of four pair_dot results (8 int32 lanes each: 4 partial sums of block b, 4 of block b + 1):
+// lanes [s0 b, s1 b, s2 b, s3 b | s0 b+1, s1 b+1, s2 b+1, s3 b+1].
+inline __m256i block_sums(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+}
+
+// The weight mins' share for MR rows against tile t, added to y: ME and MO of each (row, weight row) in one register
+// of (weight row, parity) lanes, as the tile stores the mins.
 template <int MR>
-void q4_rows(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int64_t N, int64_t t, float* y) {
+void q4_mins(const uint8_t* w, int64_t K, const float* xs, int64_t N, int64_t t, float* y) {
   const int64_t pairs = K / 64;
-  for (int r = 0; r < 4; ++r) {
-    const __m256i bcast = row_scales(r);
-    __m256 acc[MR];
-    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-    const uint8_t* wp = w;
-    for (int64_t p = 0; p < pairs; ++p, wp += 160) {
-      const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)wp)), bcast);
-      for (int m = 0; m < MR; ++m) {
-        const __m256i s = pair_dot(wp + 32 + 32 * r, xq + m * K + 64 * p);
-        const __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(xs + (m * pairs + p) * 16));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m]);
-      }
-    }
-    for (int m = 0; m < MR; ++m) y[m * N + 4 * t + r] = hsum(acc[m]);
-  }
-  // The weight mins' share, sum over blocks of m_w * d_x * sum(q_x), for all 4 rows at once in (row, block) lanes.
   for (int m = 0; m < MR; ++m) {
     __m256 acc = _mm256_setzero_ps();
     const uint8_t* wp = w;
@@ -79,59 +75,83 @@ void q4_rows(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
   }
 }
 
+// 4 G activation rows against one tile of 4 weight rows, one weight row at a time: its nibbles are unpacked once per
+// pair of blocks for all the rows, whose accumulators (lanes (row, parity)) are all that stays in registers.
+// xt: the rows' d_x in groups of 4, per pair (d_x b of the 4 rows, d_x b+1 of the 4 rows), as the block sums lie.
+template <int G>
+void q4_rows(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, const float* xt, int64_t N, int64_t t,
+             float* y) {
+  const int64_t pairs = K / 64;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int r = 0; r < 4; ++r) {
+    const __m256i bcast = row_scales(r);
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    const uint8_t* wp = w;
+    for (int64_t p = 0; p < pairs; ++p, wp += 160) {
+      const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)wp)), bcast);
+      const __m256i q = _mm256_loadu_si256((const __m256i*)(wp + 32 + 32 * r));
+      const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+      for (int g = 0; g < G; ++g) {
+        const int8_t* x = xq + 4 * g * K + 64 * p;
+        const __m256i s = block_sums(pair_dot(lo, hi, x), pair_dot(lo, hi, x + K), pair_dot(lo, hi, x + 2 * K),
+                                     pair_dot(lo, hi, x + 3 * K));
+        const __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(xt + (g * pairs + p) * 8));
+        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      alignas(32) float a[8];
+      _mm256_store_ps(a, acc[g]);
+      for (int i = 0; i < 4; ++i) y[(4 * g + i) * N + 4 * t + r] = a[i] + a[i + 4];
+    }
+  }
+  q4_mins<4 * G>(w, K, xs, N, t, y);
+}
+
 // One or two activation rows against a tile of 4 weight rows, all 4 in one pass over K: for so few rows the 4
-// passes of q4_rows cost more than they share. Same arithmetic for every output as q4_rows.
+// passes of q4_rows cost more than they share. Accumulator lanes (weight row, parity).
 template <int MR>
 void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int64_t N, int64_t t, float* y) {
   const int64_t pairs = K / 64;
-  __m256 acc[MR][4], acc_min[MR];
-  for (int m = 0; m < MR; ++m) {
-    acc_min[m] = _mm256_setzero_ps();
-    for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
-  }
+  const __m256i by_block = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // (row, parity) -> (parity, row) lanes
+  __m256 acc[MR], acc_min[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = acc_min[m] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p, w += 160) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+    const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)), by_block);
     const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16)));
-    for (int m = 0; m < MR; ++m)
-      acc_min[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + (m * pairs + p) * 16 + 8), acc_min[m]);
-    for (int r = 0; r < 4; ++r) {
-      const __m256 dr = _mm256_permutevar8x32_ps(d, row_scales(r));
-      for (int m = 0; m < MR; ++m) {
-        const __m256i s = pair_dot(w + 32 + 32 * r, xq + m * K + 64 * p);
-        const __m256 scale = _mm256_mul_ps(dr, _mm256_loadu_ps(xs + (m * pairs + p) * 16));
-        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m][r]);
-      }
+    for (int m = 0; m < MR; ++m) {
+      const float* s = xs + (m * pairs + p) * 16;  // (d_x b x4, d_x b+1 x4), then the sums' factors
+      const int8_t* x = xq + m * K + 64 * p;
+      acc_min[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(s + 8), acc_min[m]);
+      const __m256i sums = block_sums(pair_dot(w + 32, x), pair_dot(w + 64, x), pair_dot(w + 96, x),
+                                      pair_dot(w + 128, x));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_loadu_ps(s)), acc[m]);
     }
   }
   for (int m = 0; m < MR; ++m) {
-    alignas(32) float mn[8];
+    alignas(32) float a[8], mn[8];
+    _mm256_store_ps(a, acc[m]);
     _mm256_store_ps(mn, acc_min[m]);
-    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = hsum(acc[m][r]) + mn[2 * r] + mn[2 * r + 1];
+    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = a[r] + a[r + 4] + mn[2 * r] + mn[2 * r + 1];
   }
 }
 
-// All M rows against tile t: one row alone, more in calls of up to 8 rows of about equal size.
-void q4_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int64_t M, int64_t N, int64_t t,
-             float* y) {
-  if (M <= 2) return M == 1 ? q4_pass<1>(w, K, xq, xs, N, t, y) : q4_pass<2>(w, K, xq, xs, N, t, y);
-  const int64_t row_xs = K / 64 * 16, calls = (M + 7) / 8;
-  for (int64_t c = 0, m = 0; c < calls; ++c) {
-    const int64_t rows = (M - m) / (calls - c);
-    const int8_t* xm = xq + m * K;
-    const float* sm = xs + m * row_xs;
-    float* ym = y + m * N;
-    switch (rows) {
-      case 1: q4_pass<1>(w, K, xm, sm, N, t, ym); break;
-      case 2: q4_pass<2>(w, K, xm, sm, N, t, ym); break;
-      case 3: q4_rows<3>(w, K, xm, sm, N, t, ym); break;
-      case 4: q4_rows<4>(w, K, xm, sm, N, t, ym); break;
-      case 5: q4_rows<5>(w, K, xm, sm, N, t, ym); break;
-      case 6: q4_rows<6>(w, K, xm, sm, N, t, ym); break;
-      case 7: q4_rows<7>(w, K, xm, sm, N, t, ym); break;
-      default: q4_rows<8>(w, K, xm, sm, N, t, ym); break;
-    }
-    m += rows;
+// All M rows against tile t: groups of 8 and 4 rows, the last 1-3 in one pass.
+void q4_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, const float* xt, int64_t M, int64_t N,
+             int64_t t, float* y) {
+  const int64_t row_xs = K / 64 * 16, group_xt = K / 64 * 8;
+  int64_t m = 0;
+  for (; M - m >= 8; m += 8) q4_rows<2>(w, K, xq + m * K, xs + m * row_xs, xt + m / 4 * group_xt, N, t, y + m * N);
+  if (M - m >= 4) {
+    q4_rows<1>(w, K, xq + m * K, xs + m * row_xs, xt + m / 4 * group_xt, N, t, y + m * N);
+    m += 4;
   }
+  if (M - m >= 2) {
+    q4_pass<2>(w, K, xq + m * K, xs + m * row_xs, N, t, y + m * N);
+    m += 2;
+  }
+  if (M - m == 1) q4_pass<1>(w, K, xq + m * K, xs + m * row_xs, N, t, y + m * N);
 }
 
 // VW weights of one row: d * q + m (one FMA; q * d is exact in float, 8 + 11 significant bits), or d * q for int8 q.
@@ -270,30 +290,71 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   return y;
 }
 
+bool amx_int8_ready();
+void q4_amx(const uint8_t* W, int64_t K, int64_t n_blocks, const int8_t* xq, const float* xd, const float* xsx,
+            int64_t M, int64_t N, const float* bias, float* Y);
+
+// From this many rows the AMX tiles (amx.cpp) take the columns they can (blocks of 32 weight rows): below it the
+// VNNI kernel was measured faster (a tile pass costs about the same for 1 row as for 16).
+constexpr int64_t AMX_MIN_ROWS = 16;
+
 // w (N/4, K/64, 160) uint8. The rows of x are quantized to int8 per block of 32, then every tile of 4 output rows
-// takes all of them, tiles spread over the threads.
+// takes all of them, tiles spread over the threads; over AMX_MIN_ROWS rows or more, on a CPU with AMX, the AMX
+// tiles take the blocks of 32 output rows instead (the same results, amx.cpp).
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  const int64_t N = w.size(0) * 4, K = w.size(1) * 2 * QK;
+  const int64_t N = w.size(0) * 4, K = w.size(1) * 2 * QK, blocks = K / QK, pairs = K / 64;
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 160, "bad q4 weight");
   const at::Tensor x2d = as_rows(x, K);
   const float* B = bias_of(bias, N);
   const int64_t M = x2d.size(0);
-  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar));
-  const at::Tensor xs = at::empty({M, K / 64, 16}, x2d.options());
-  quantize_rows(x2d.data_ptr<float>(), M * K / QK, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+  const float* X = x2d.data_ptr<float>();
   auto shape = x.sizes().vec();
   shape.back() = N;
   at::Tensor y = at::empty(shape, x2d.options());
   const uint8_t* W = w.data_ptr<uint8_t>();
-  const int8_t* XQ = xq.data_ptr<int8_t>();
-  const float* XS = xs.data_ptr<float>();
   float* Y = y.data_ptr<float>();
+  const int64_t row_grain = std::max<int64_t>(1, 4096 / K);
+
+  const int64_t amx_cols = M >= AMX_MIN_ROWS && amx_int8_ready() ? N / 32 * 32 : 0;
+  if (amx_cols > 0) {
+    // Element order, rows padded to the tiles' 32 with zeros; d_x per (block, row), also zero in the padding, and
+    // d_x * sum(q_x) per (row, block).
+    const int64_t Mp = (M + 31) / 32 * 32;
+    const at::Tensor xq = at::zeros({Mp, K}, x2d.options().dtype(at::kChar));
+    const at::Tensor xd = at::zeros({blocks, Mp}, x2d.options()), xsx = at::empty({M, blocks}, x2d.options());
+    int8_t* XQ = xq.data_ptr<int8_t>();
+    float *XD = xd.data_ptr<float>(), *XSX = xsx.data_ptr<float>();
+    at::parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < blocks; ++b)
+          _mm256_storeu_si256((__m256i*)(XQ + m * K + 32 * b),
+                              fastdecode::quantize_block(X + m * K + 32 * b, XD[b * Mp + m], XSX[m * blocks + b]));
+    });
+    q4_amx(W, K, amx_cols / 32, XQ, XD, XSX, M, N, B, Y);
+    if (amx_cols == N) return y;
+  }
+
+  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar));
+  const at::Tensor xs = at::empty({M, pairs, 16}, x2d.options());
+  const at::Tensor xt = at::empty({M / 4, pairs, 8}, x2d.options());  // d_x of each group of 4 rows, per pair
+  int8_t* XQ = xq.data_ptr<int8_t>();
+  float *XS = xs.data_ptr<float>(), *XT = xt.data_ptr<float>();
+  at::parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_rows(X + m * K, blocks, XQ + m * K, XS + m * pairs * 16);
+  });
+  for (int64_t g = 0; g < M / 4; ++g)
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int i = 0; i < 4; ++i) {
+        const float* s = XS + ((4 * g + i) * pairs + p) * 16;
+        XT[(g * pairs + p) * 8 + i] = s[0];
+        XT[(g * pairs + p) * 8 + 4 + i] = s[4];
+      }
   const int64_t tile_bytes = K / 64 * 160;
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
-  at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       if (t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);
-      q4_tile(W + t * tile_bytes, K, XQ, XS, M, N, t, Y);
+      q4_tile(W + t * tile_bytes, K, XQ, XS, XT, M, N, t, Y);
       if (B)
         for (int64_t m = 0; m < M; ++m)
           for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] += B[4 * t + r];

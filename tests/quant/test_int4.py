@@ -46,11 +46,13 @@ def test_output_within_quantization_step_of_float_matmul(backend, group_size, m)
 
 @pytest.mark.skipif(not native_fits(4, 64, 32), reason="no AVX2 kernels")
 def test_native_row_does_not_depend_on_how_many_rows_share_the_call():
-    """The kernel takes 1, 2 or up to 8 rows per pass; a verify step must reproduce decode steps bit for bit."""
+    """The kernel takes 1, 2, 4 or 8 rows per pass, and from 16 rows on a CPU with AMX the tiles take blocks of 32
+    weight rows (here 64 of the 72; the VNNI kernel the rest): a verify step, a prompt chunk and a batch must reproduce
+    decode steps bit for bit."""
     torch.manual_seed(0)
-    layer = Int4Linear.from_weight(torch.randn(40, 320), torch.randn(40), 32, backend="native")
-    x = torch.randn(23, 320)
-    for m in (1, 2, 3, 5, 8, 9, 17, 23):
+    layer = Int4Linear.from_weight(torch.randn(72, 320), torch.randn(72), 32, backend="native")
+    x = torch.randn(70, 320)
+    for m in (1, 2, 3, 5, 8, 9, 15, 16, 17, 23, 33, 70):
         y = layer(x[:m])
         assert all(torch.equal(y[i], layer(x[i:i + 1])[0]) for i in range(m)), m
 
