@@ -1,11 +1,12 @@
-// The int4 matmul (q4_linear's packed weights, quant.cpp) on AMX tiles, for many activation rows at once: a prompt
-// chunk, or a batch of decode and verify rows. Intel's AMX multiplies a 16 x 64-byte int8 tile by a 64 x 16 one into
+// The int4 and Q4_K / Q5_K matmuls (q4_linear's and kq_linear's packed weights, quant.cpp and kquant.cpp) on AMX
+// tiles, for many activation rows at once: a prompt chunk, or a batch of decode and verify rows. Intel's AMX multiplies a 16 x 64-byte int8 tile by a 64 x 16 one into
 // 16 x 16 int32 in one instruction, about 8x the products a core makes with VNNI, so over many rows the float work
 // around it is what costs.
 //
 // Bit for bit the arithmetic of the AVX2/VNNI kernels (quant.cpp): per block of 32 an exact integer sum (here one
 // tdpbsud of an activation tile, signed, by a weight tile, unsigned, with K = 32), then per output the same FMA chains
-// E and O over the even and odd blocks, ME and MO of the mins, and y = ((E + O) + ME) + MO. So a row's result does not
+// E and O over the even and odd blocks of float(sum) * (d_w * d_x), ME and MO of the mins (m_w * sx added for int4,
+// dmin * m * sx subtracted for the K-quants, whose d_w is d * sc), and y = ((E + O) + ME) + MO. So a row's result does not
 // depend on which kernel ran it: a prompt chunk and decode steps, a request alone and in a batch, agree exactly.
 //
 // Per block of 32 outputs (two 16-row weight tiles) a thread unpacks the nibbles of every block of K once into AMX's
@@ -21,6 +22,9 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
+#include "quant_rows.h"
+
 #ifdef __AMX_INT8__
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -33,7 +37,10 @@ namespace fastdecode {
 namespace {
 
 constexpr int64_t ROWS = 32, COLS = 32;  // activation rows and weight rows per block of outputs: 2 x 2 tiles
-constexpr int64_t PAIR_BYTES = 160;      // quant.cpp's q4 tile: per pair of blocks 8 fp16 d, 8 fp16 m, 4 x 32 bytes
+
+// The packed layouts (amx.h's AmxFormat): where block b's nibbles and factors lie in a tile of 4 weight rows.
+constexpr int64_t Q4_PAIR = 160;  // quant.cpp's q4 tile: per pair of blocks 8 fp16 d, 8 fp16 m, 4 rows x 32 bytes
+constexpr int64_t Q4K_SB = 592, Q5K_SB = 720;  // kquant.cpp's tiles per super-block of 8 blocks
 
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -50,44 +57,84 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// 16 weight rows (4 q4 tiles from `tile`) of block 2 p + h -> B (8 rows x 64 bytes): row kk < 4 holds each column's
-// elements 4 kk .. 4 kk + 3 (the low nibbles of its bytes 4 kk ..), row 4 + kk its elements 16 + 4 kk .. (the high
-// nibbles), so B's k runs over the block's elements in order, as the activations lie.
-void unpack_b(const uint8_t* tile, int64_t tile_bytes, int64_t p, int h, uint8_t* out) {
-  const uint8_t* q = tile + p * PAIR_BYTES + 32 + 16 * h;
-  __m512i v[4];  // v[r]: 128-bit lane i = row r of q4 tile i (output column 4 i + r)
+// Row 0's 16 bytes of block b's nibbles in a tile (byte e = q[e] | q[e + 16] << 4; row r 32 bytes further).
+const uint8_t* nibbles(AmxFormat f, const uint8_t* tile, int64_t b) {
+  if (f == AmxFormat::Q4) return tile + b / 2 * Q4_PAIR + 32 + 16 * (b % 2);
+  const int64_t sb_bytes = f == AmxFormat::Q4K ? Q4K_SB : Q5K_SB;
+  return tile + b / 8 * sb_bytes + (sb_bytes - 512) + 128 * (b % 8 / 2) + 16 * (b % 2);
+}
+
+// v[r]: 128-bit lane i = the 16 bytes at p + 32 r of q4 tile i (output column 4 i + r), for 4 tiles.
+inline void load_rows(const uint8_t* p, int64_t tile_bytes, __m512i v[4]) {
   for (int r = 0; r < 4; ++r) {
-    const uint8_t* row = q + 32 * r;
+    const uint8_t* row = p + 32 * r;
     __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)row));
     z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(row + tile_bytes)), 1);
     z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(row + 2 * tile_bytes)), 2);
     v[r] = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(row + 3 * tile_bytes)), 3);
   }
-  // A 4 x 4 transpose of dwords in each lane: o[kk] = dword kk of the 16 columns, in column order.
+}
+
+// A 4 x 4 transpose of dwords in each lane: o[kk] = dword kk of the 16 columns, in column order.
+inline void transpose(const __m512i v[4], __m512i o[4]) {
   const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
   const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
-  const __m512i o[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
-                        _mm512_unpackhi_epi64(t1, t3)};
+  o[0] = _mm512_unpacklo_epi64(t0, t2), o[1] = _mm512_unpackhi_epi64(t0, t2);
+  o[2] = _mm512_unpacklo_epi64(t1, t3), o[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// 16 weight rows (4 tiles from `tile`) of block b -> B (8 rows x 64 bytes): row kk < 4 holds each column's elements
+// 4 kk .. 4 kk + 3 (the low nibbles of its bytes 4 kk ..), row 4 + kk its elements 16 + 4 kk .. (the high nibbles),
+// so B's k runs over the block's elements in order, as the activations lie. Q5_K adds each value's fifth bit (bit
+// 2 p of the fifth-bit byte for the low nibble of pair p's byte, bit 2 p + 1 for the high one, kquant.cpp).
+void unpack_b(AmxFormat f, const uint8_t* tile, int64_t tile_bytes, int64_t b, uint8_t* out) {
+  __m512i v[4], o[4], lo[4], hi[4];
+  load_rows(nibbles(f, tile, b), tile_bytes, v);
+  transpose(v, o);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int kk = 0; kk < 4; ++kk)
+    lo[kk] = _mm512_and_si512(o[kk], low4), hi[kk] = _mm512_and_si512(_mm512_srli_epi16(o[kk], 4), low4);
+  if (f == AmxFormat::Q5K) {
+    load_rows(tile + b / 8 * Q5K_SB + 80 + 16 * (b % 2), tile_bytes, v);
+    transpose(v, o);
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    const unsigned p = b % 8 / 2;
+    for (int kk = 0; kk < 4; ++kk) {
+      const __m512i bits = _mm512_srl_epi16(o[kk], _mm_cvtsi32_si128(2 * p));
+      lo[kk] = _mm512_or_si512(lo[kk], _mm512_and_si512(_mm512_slli_epi16(bits, 4), bit4));
+      hi[kk] = _mm512_or_si512(hi[kk], _mm512_and_si512(_mm512_slli_epi16(bits, 3), bit4));
+    }
+  }
   for (int kk = 0; kk < 4; ++kk) {
-    _mm512_store_si512(out + 64 * kk, _mm512_and_si512(o[kk], low4));
-    _mm512_store_si512(out + 64 * (4 + kk), _mm512_and_si512(_mm512_srli_epi16(o[kk], 4), low4));
+    _mm512_store_si512(out + 64 * kk, lo[kk]);
+    _mm512_store_si512(out + 64 * (4 + kk), hi[kk]);
   }
 }
 
-// The float factors of 32 weight rows (8 q4 tiles from `tile`), per block: d -> dw[b][n], m -> mw[b][n].
-void weight_factors(const uint8_t* tile, int64_t tile_bytes, int64_t blocks, float* dw, float* mw) {
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// The float factors of 32 weight rows (8 tiles from `tile`), per block: d_w -> dw[b][n], the mins' -> mw[b][n]
+// (int4: m; K-quants: dmin * m), as the VNNI kernels compute them.
+void weight_factors(AmxFormat f, const uint8_t* tile, int64_t tile_bytes, int64_t blocks, float* dw, float* mw) {
   for (int64_t t = 0; t < COLS / 4; ++t, tile += tile_bytes)
-    for (int64_t p = 0; p < blocks / 2; ++p) {
-      alignas(32) float d[8], m[8];  // (row, parity) order
-      _mm256_store_ps(d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tile + p * PAIR_BYTES))));
-      _mm256_store_ps(m, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tile + p * PAIR_BYTES + 16))));
-      for (int r = 0; r < 4; ++r)
-        for (int h = 0; h < 2; ++h) {
-          dw[(2 * p + h) * COLS + 4 * t + r] = d[2 * r + h];
-          mw[(2 * p + h) * COLS + 4 * t + r] = m[2 * r + h];
+    for (int r = 0; r < 4; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t n = b * COLS + 4 * t + r;
+        if (f == AmxFormat::Q4) {  // (row, parity) order per pair
+          const uint8_t* head = tile + b / 2 * Q4_PAIR + 2 * (2 * r + b % 2);
+          dw[n] = fp16(head);
+          mw[n] = fp16(head + 16);
+        } else {  // per super-block the 4 rows' d and dmin, then sc and m in (pair, row, parity) order
+          const uint8_t* sb = tile + b / 8 * (f == AmxFormat::Q4K ? Q4K_SB : Q5K_SB);
+          const int64_t i = b % 8 / 2 * 8 + 2 * r + b % 2;
+          dw[n] = fp16(sb + 2 * r) * float(sb[16 + i]);
+          mw[n] = fp16(sb + 8 + 2 * r) * float(sb[48 + i]);
         }
-    }
+      }
 }
 
 // Thread-local working memory, 64-byte aligned (tile loads and zmm stores).
@@ -98,9 +145,7 @@ struct Scratch {
       : b(blocks * 2 * 8), c(2 * 4 * 16), acc(2 * ROWS * COLS / 16), dw(blocks * COLS), mw(blocks * COLS) {}
 };
 
-}  // namespace
-
-bool amx_int8_ready() {
+bool tiles_permitted() {
   static const bool ready = [] {
     const char* env = std::getenv("FASTDECODE_AMX");
     if (env && std::strcmp(env, "0") == 0) return false;
@@ -112,12 +157,11 @@ bool amx_int8_ready() {
   return ready;
 }
 
-// y[:, :n_blocks * 32] = x @ W.T (+ bias), W the q4 tiles (N/4, K/64, 160). xq: the rows quantized per block of 32
-// in element order, padded with zero rows to Mp, a multiple of 32; xd (K / 32, Mp) the d_x of each (block, row),
-// zero in the padding; xsx (M, K / 32) each (row, block)'s d_x * sum(q_x).
-void q4_amx(const uint8_t* W, int64_t K, int64_t n_blocks, const int8_t* xq, const float* xd, const float* xsx,
-            int64_t M, int64_t N, const float* bias, float* Y) {
-  const int64_t blocks = K / 32, tile_bytes = K / 64 * PAIR_BYTES, Mp = (M + 31) / 32 * 32;
+// xq: the rows quantized per block of 32 in element order, padded with zero rows to Mp, a multiple of 32; xd
+// (K / 32, Mp) the d_x of each (block, row), zero in the padding; xsx (M, K / 32) each (row, block)'s d_x * sum(q_x).
+void tiles_linear(AmxFormat f, const uint8_t* W, int64_t tile_bytes, int64_t K, int64_t n_blocks, const int8_t* xq,
+                  const float* xd, const float* xsx, int64_t M, int64_t N, const float* bias, float* Y) {
+  const int64_t blocks = K / 32, Mp = (M + 31) / 32 * 32;
   at::parallel_for(0, n_blocks, 1, [&](int64_t nb0, int64_t nb1) {
     configure_tiles();
     Scratch s(blocks);
@@ -127,8 +171,8 @@ void q4_amx(const uint8_t* W, int64_t K, int64_t n_blocks, const int8_t* xq, con
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const uint8_t* tiles = W + nb * (COLS / 4) * tile_bytes;
       for (int64_t b = 0; b < blocks; ++b)
-        for (int j = 0; j < 2; ++j) unpack_b(tiles + 4 * j * tile_bytes, tile_bytes, b / 2, b % 2, bbuf + (2 * b + j) * 512);
-      weight_factors(tiles, tile_bytes, blocks, s.dw.data(), s.mw.data());
+        for (int j = 0; j < 2; ++j) unpack_b(f, tiles + 4 * j * tile_bytes, tile_bytes, b, bbuf + (2 * b + j) * 512);
+      weight_factors(f, tiles, tile_bytes, blocks, s.dw.data(), s.mw.data());
       for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
         const int64_t rows = std::min<int64_t>(ROWS, M - m0);
         std::memset(acc, 0, sizeof(float) * 2 * ROWS * COLS);
@@ -182,11 +226,17 @@ void q4_amx(const uint8_t* W, int64_t K, int64_t n_blocks, const int8_t* xq, con
           const float* sx = xsx + (m0 + r) * blocks;
           for (int j = 0; j < 2; ++j) {
             __m512 me = _mm512_setzero_ps(), mo = _mm512_setzero_ps();
-            for (int64_t b = 0; b < blocks; b += 2) {
-              me = _mm512_fmadd_ps(_mm512_loadu_ps(s.mw.data() + b * COLS + 16 * j), _mm512_set1_ps(sx[b]), me);
-              mo = _mm512_fmadd_ps(_mm512_loadu_ps(s.mw.data() + (b + 1) * COLS + 16 * j), _mm512_set1_ps(sx[b + 1]),
-                                   mo);
-            }
+            const float* mw = s.mw.data() + 16 * j;
+            if (f == AmxFormat::Q4)
+              for (int64_t b = 0; b < blocks; b += 2) {
+                me = _mm512_fmadd_ps(_mm512_loadu_ps(mw + b * COLS), _mm512_set1_ps(sx[b]), me);
+                mo = _mm512_fmadd_ps(_mm512_loadu_ps(mw + (b + 1) * COLS), _mm512_set1_ps(sx[b + 1]), mo);
+              }
+            else
+              for (int64_t b = 0; b < blocks; b += 2) {
+                me = _mm512_fnmadd_ps(_mm512_loadu_ps(mw + b * COLS), _mm512_set1_ps(sx[b]), me);
+                mo = _mm512_fnmadd_ps(_mm512_loadu_ps(mw + (b + 1) * COLS), _mm512_set1_ps(sx[b + 1]), mo);
+              }
             const float* e = acc + r * COLS + 16 * j;
             __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(e), _mm512_loadu_ps(e + ROWS * COLS)),
                                                    me), mo);
@@ -201,12 +251,30 @@ void q4_amx(const uint8_t* W, int64_t K, int64_t n_blocks, const int8_t* xq, con
   });
 }
 
+}  // namespace
+
+bool amx_int8_ready() { return tiles_permitted(); }
+
+void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes,
+                int64_t n_blocks, int64_t N, const float* bias, float* Y) {
+  const int64_t blocks = K / 32, Mp = (M + 31) / 32 * 32;
+  std::vector<int8_t> xq(Mp * K, 0);
+  std::vector<float> xd(blocks * Mp, 0.0f), xsx(M * blocks);
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < blocks; ++b)
+        _mm256_storeu_si256((__m256i*)(xq.data() + m * K + 32 * b),
+                            quantize_block(X + m * K + 32 * b, xd[b * Mp + m], xsx[m * blocks + b]));
+  });
+  tiles_linear(f, W, tile_bytes, K, n_blocks, xq.data(), xd.data(), xsx.data(), M, N, bias, Y);
+}
+
 #else  // a build without AMX (the AVX2 one): never ready, never called
 
 bool amx_int8_ready() { return false; }
 
-void q4_amx(const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t,
-            const float*, float*) {}
+void amx_linear(AmxFormat, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*,
+                float*) {}
 
 #endif
 

@@ -21,6 +21,7 @@
 
 #include <cstring>
 
+#include "amx.h"
 #include "quant_rows.h"
 #include "simd.h"
 
@@ -31,6 +32,11 @@ const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N);
 
 namespace {
 
+using fastdecode::AMX_MIN_ROWS;
+using fastdecode::AmxFormat;
+using fastdecode::amx_int8_ready;
+using fastdecode::amx_linear;
+using fastdecode::block_sums;
 using fastdecode::hsum;
 using fastdecode::offset32_dot;
 using fastdecode::pair_dot;
@@ -70,57 +76,123 @@ struct Call {
   float* y;  // (MR, N) the call's output rows
 };
 
-// Weight rows r0 .. r0 + NR - 1 of a Q4_K or Q5_K tile in one pass over K. NR = 4 (one or two activation rows) shares
-// each load of the scales among the 4 rows; from three rows on, 4 rows' accumulators would leave the registers, so each
-// row takes a pass (NR = 1). Every output is the same arithmetic either way: one FMA chain over the pairs of
-// sub-blocks of d * sc times the pair's integer dot products, then the mins' chain (kept for all 4 rows in lanes, the
-// rows of the pass read from it).
-template <int MR, int NR, bool Q5>
-void pair_rows(const Call& c, int r0) {
-  constexpr int64_t bytes = Q5 ? Q5K_BYTES : Q4K_BYTES, qoff = Q5 ? 208 : 80;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
-  __m256 acc[MR][NR], acc_min[MR];
-  for (int m = 0; m < MR; ++m) {
-    acc_min[m] = _mm256_setzero_ps();
-    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+// Q4_K and Q5_K follow q4_linear's arithmetic (quant.cpp), with d * sc for d_w and dmin * m * sx subtracted for the
+// mins: per sub-block an exact integer sum, E and O the FMA chains over the even and odd sub-blocks, ME and MO the
+// mins' chains, y = ((E + O) + ME) + MO, whatever the number of rows and on AMX tiles too (amx.cpp).
+
+// Row r's values of pair p of a super-block as two registers (lo: elements 0..15 of both sub-blocks, hi: 16..31),
+// the fifth bits added for Q5_K.
+template <bool Q5>
+inline void unpack_pair(const uint8_t* w, int p, int r, __m256i& lo, __m256i& hi) {
+  constexpr int64_t qoff = Q5 ? 208 : 80;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i q = _mm256_loadu_si256((const __m256i*)(w + qoff + 128 * p + 32 * r));
+  lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+  if (Q5) {  // pair p's fifth bits: bit 2p of each byte for the low nibble, 2p + 1 for the high one
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    const __m256i f = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i*)(w + 80 + 32 * r)), _mm_cvtsi32_si128(2 * p));
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(f, 4), bit4));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(f, 3), bit4));
   }
+}
+
+// The mins' chains ME, MO of MR rows against the tile's 4 weight rows, in (weight row, parity) lanes, added to y.
+template <int MR, bool Q5>
+void kq_mins(const Call& c) {
+  constexpr int64_t bytes = Q5 ? Q5K_BYTES : Q4K_BYTES;
+  for (int m = 0; m < MR; ++m) {
+    __m256 acc = _mm256_setzero_ps();
+    const uint8_t* w = c.w;
+    for (int64_t sb = 0; sb < c.sbs; ++sb, w += bytes) {
+      const __m256 dmin = row_pairs(w + 8);
+      for (int p = 0; p < 4; ++p)
+        acc = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, u8_floats(w + 48 + 8 * p)),
+                               _mm256_loadu_ps(c.xs + m * c.xs_row + 16 * (4 * sb + p) + 8), acc);
+    }
+    alignas(32) float mn[8];
+    _mm256_store_ps(mn, acc);
+    for (int r = 0; r < 4; ++r) c.y[m * c.N + 4 * c.t + r] = c.y[m * c.N + 4 * c.t + r] + mn[2 * r] + mn[2 * r + 1];
+  }
+}
+
+// One or two activation rows against the tile's 4 weight rows in one pass over K; lanes (parity, weight row).
+template <int MR, bool Q5>
+void kq_pass(const Call& c) {
+  constexpr int64_t bytes = Q5 ? Q5K_BYTES : Q4K_BYTES;
+  const __m256i by_block = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // (row, parity) -> (parity, row) lanes
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   const uint8_t* w = c.w;
   for (int64_t sb = 0; sb < c.sbs; ++sb, w += bytes) {
-    const __m256 d = row_pairs(w), dmin = row_pairs(w + 8);
-    __m256i fifth[NR];
-    if (Q5)
-      for (int r = 0; r < NR; ++r) fifth[r] = _mm256_loadu_si256((const __m256i*)(w + 80 + 32 * (r0 + r)));
+    const __m256 d = row_pairs(w);
     for (int p = 0; p < 4; ++p) {
       const int64_t pair = 4 * sb + p;
-      const __m256 scale = _mm256_mul_ps(d, u8_floats(w + 16 + 8 * p));  // (row, sub-block): d * sc, exact
-      const __m256 mins = _mm256_mul_ps(dmin, u8_floats(w + 48 + 8 * p));
-      for (int m = 0; m < MR; ++m)
-        acc_min[m] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(c.xs + m * c.xs_row + 16 * pair + 8), acc_min[m]);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 sr = _mm256_permutevar8x32_ps(scale, row_scales(r0 + r));
-        const __m256i q = _mm256_loadu_si256((const __m256i*)(w + qoff + 128 * p + 32 * (r0 + r)));
-        __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        if (Q5) {  // pair p's fifth bits sit in bits 0 and 1 of each byte after p shifts by 2
-          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(fifth[r], 4), bit4));
-          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(fifth[r], 3), bit4));
-          fifth[r] = _mm256_srli_epi16(fifth[r], 2);
-        }
-        for (int m = 0; m < MR; ++m) {
-          const __m256i s = pair_dot(lo, hi, c.xq + m * c.K + 64 * pair);
-          const __m256 scaled = _mm256_mul_ps(sr, _mm256_loadu_ps(c.xs + m * c.xs_row + 16 * pair));
-          acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scaled, acc[m][r]);
-        }
+      const __m256 scale = _mm256_permutevar8x32_ps(_mm256_mul_ps(d, u8_floats(w + 16 + 8 * p)), by_block);
+      __m256i lo[4], hi[4];
+      for (int r = 0; r < 4; ++r) unpack_pair<Q5>(w, p, r, lo[r], hi[r]);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* x = c.xq + m * c.K + 64 * pair;
+        const __m256i sums = block_sums(pair_dot(lo[0], hi[0], x), pair_dot(lo[1], hi[1], x),
+                                        pair_dot(lo[2], hi[2], x), pair_dot(lo[3], hi[3], x));
+        const __m256 scaled = _mm256_mul_ps(scale, _mm256_loadu_ps(c.xs + m * c.xs_row + 16 * pair));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scaled, acc[m]);
       }
     }
   }
   for (int m = 0; m < MR; ++m) {
-    alignas(32) float mn[8];
-    _mm256_store_ps(mn, acc_min[m]);
-    for (int r = 0; r < NR; ++r) {
-      const int row = r0 + r;
-      c.y[m * c.N + 4 * c.t + row] = hsum(acc[m][r]) + mn[2 * row] + mn[2 * row + 1];
+    alignas(32) float a[8];
+    _mm256_store_ps(a, acc[m]);
+    for (int r = 0; r < 4; ++r) c.y[m * c.N + 4 * c.t + r] = a[r] + a[r + 4];
+  }
+  kq_mins<MR, Q5>(c);
+}
+
+// 4 G activation rows against the tile, one weight row at a time (unpacked once for all the rows); lanes (parity,
+// activation row), the rows' d_x from xt (quantize_rows_grouped).
+template <int G, bool Q5>
+void kq_rows(const Call& c, const float* xt) {
+  constexpr int64_t bytes = Q5 ? Q5K_BYTES : Q4K_BYTES;
+  const int64_t pairs = c.K / 64;
+  for (int r = 0; r < 4; ++r) {
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    const uint8_t* w = c.w;
+    for (int64_t sb = 0; sb < c.sbs; ++sb, w += bytes) {
+      const __m256 d = row_pairs(w);
+      for (int p = 0; p < 4; ++p) {
+        const int64_t pair = 4 * sb + p;
+        const __m256 scale = _mm256_permutevar8x32_ps(_mm256_mul_ps(d, u8_floats(w + 16 + 8 * p)), row_scales(r));
+        __m256i lo, hi;
+        unpack_pair<Q5>(w, p, r, lo, hi);
+        for (int g = 0; g < G; ++g) {
+          const int8_t* x = c.xq + 4 * g * c.K + 64 * pair;
+          const __m256i sums = block_sums(pair_dot(lo, hi, x), pair_dot(lo, hi, x + c.K),
+                                          pair_dot(lo, hi, x + 2 * c.K), pair_dot(lo, hi, x + 3 * c.K));
+          const __m256 scaled = _mm256_mul_ps(scale, _mm256_loadu_ps(xt + (g * pairs + pair) * 8));
+          acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scaled, acc[g]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      alignas(32) float a[8];
+      _mm256_store_ps(a, acc[g]);
+      for (int i = 0; i < 4; ++i) c.y[(4 * g + i) * c.N + 4 * c.t + r] = a[i] + a[i + 4];
     }
   }
+  kq_mins<4 * G, Q5>(c);
+}
+
+// All M rows of a Q4_K or Q5_K tile: groups of 8 and 4 rows, the last 1-3 in one pass.
+template <bool Q5>
+void pair_tile(Call c, int64_t M, const float* xt) {
+  const int64_t group_xt = c.K / 64 * 8;
+  const auto advance = [&](int64_t rows) {
+    c.xq += rows * c.K, c.xs += rows * c.xs_row, c.y += rows * c.N, xt += rows / 4 * group_xt, M -= rows;
+  };
+  for (; M >= 8; advance(8)) kq_rows<2, Q5>(c, xt);
+  if (M >= 4) kq_rows<1, Q5>(c, xt), advance(4);
+  if (M >= 2) kq_pass<2, Q5>(c), advance(2);
+  if (M == 1) kq_pass<1, Q5>(c);
 }
 
 // The same for Q6_K: per half super-block and row, the 6-bit values unpacked into 4 registers of 32 consecutive
@@ -164,12 +236,6 @@ void q6_rows(const Call& c, int r0) {
     for (int r = 0; r < NR; ++r) c.y[m * c.N + 4 * c.t + r0 + r] = hsum(acc[m][r]);
 }
 
-struct Q4K {
-  template <int MR, int NR> static void run(const Call& c, int r0) { pair_rows<MR, NR, false>(c, r0); }
-};
-struct Q5K {
-  template <int MR, int NR> static void run(const Call& c, int r0) { pair_rows<MR, NR, true>(c, r0); }
-};
 struct Q6K {
   template <int MR, int NR> static void run(const Call& c, int r0) { q6_rows<MR, NR>(c, r0); }
 };
@@ -180,7 +246,7 @@ void call(const Call& c) {
   for (int r = 0; r < 4; ++r) F::template run<MR, 1>(c, r);
 }
 
-// All M rows against one tile, in calls of up to 8 rows of about equal size (as q4_tile).
+// All M rows against one Q6_K tile, in calls of up to 8 rows of about equal size.
 template <class F>
 void tile(Call c, int64_t M) {
   const int64_t calls = (M + 7) / 8;
@@ -208,7 +274,8 @@ namespace fastdecode {
 
 // w (N/4, K/256, 592 | 720 | 840) uint8: Q4_K, Q5_K or Q6_K by its tile size. The rows of x are quantized to int8
 // per block of 32 (in pair order for Q4_K/Q5_K, element order for Q6_K), then every tile of 4 output rows takes all
-// of them, tiles spread over the threads.
+// of them, tiles spread over the threads; Q4_K/Q5_K over AMX_MIN_ROWS rows or more, on a CPU with AMX, on AMX tiles
+// (the same results, amx.cpp) for the blocks of 32 output rows.
 at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte &&
               (w.size(2) == Q4K_BYTES || w.size(2) == Q5K_BYTES || w.size(2) == Q6K_BYTES), "bad K-quant weight");
@@ -216,25 +283,34 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const at::Tensor x2d = as_rows(x, K);
   const float* B = bias_of(bias, N);
   const int64_t M = x2d.size(0);
-  const bool q6 = bytes == Q6K_BYTES;
-  const int64_t xs_row = q6 ? K / 32 : K / 64 * 16;
-  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar));
-  const at::Tensor xs = at::empty({M, xs_row}, x2d.options());
-  if (q6) quantize_rows_plain(x2d.data_ptr<float>(), M * K / 32, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
-  else quantize_rows(x2d.data_ptr<float>(), M * K / 32, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+  const float* X = x2d.data_ptr<float>();
   auto shape = x.sizes().vec();
   shape.back() = N;
   at::Tensor y = at::empty(shape, x2d.options());
   const uint8_t* W = w.data_ptr<uint8_t>();
   float* Y = y.data_ptr<float>();
   const int64_t tile_bytes = K / QK_K * bytes;
+  const bool q6 = bytes == Q6K_BYTES;
+
+  const int64_t amx_cols = !q6 && M >= AMX_MIN_ROWS && amx_int8_ready() ? N / 32 * 32 : 0;
+  if (amx_cols > 0) {
+    amx_linear(bytes == Q4K_BYTES ? AmxFormat::Q4K : AmxFormat::Q5K, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
+    if (amx_cols == N) return y;
+  }
+
+  const int64_t xs_row = q6 ? K / 32 : K / 64 * 16;
+  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar));
+  const at::Tensor xs = at::empty({M, xs_row}, x2d.options());
+  const at::Tensor xt = at::empty({q6 ? 0 : M / 4, K / 64, 8}, x2d.options());
+  if (q6) quantize_rows_plain(X, M * K / 32, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+  else quantize_rows_grouped(X, M, K, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xt.data_ptr<float>());
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
-  at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       if (t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);
       const Call c{W + t * tile_bytes, K / QK_K, K, N, t, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xs_row, Y};
-      if (bytes == Q4K_BYTES) tile<Q4K>(c, M);
-      else if (bytes == Q5K_BYTES) tile<Q5K>(c, M);
+      if (bytes == Q4K_BYTES) pair_tile<false>(c, M, xt.data_ptr<float>());
+      else if (bytes == Q5K_BYTES) pair_tile<true>(c, M, xt.data_ptr<float>());
       else tile<Q6K>(c, M);
       if (B)
         for (int64_t m = 0; m < M; ++m)

@@ -17,7 +17,6 @@
 //   (row, block) order, then each row's 32 bytes; byte j of a block holds q[j] | q[j + 16] << 4.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -25,6 +24,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "amx.h"
 #include "quant_rows.h"
 #include "simd.h"
 
@@ -33,9 +33,10 @@ namespace {
 constexpr int64_t QK = 32;
 
 using fastdecode::hsum;
+using fastdecode::block_sums;
 using fastdecode::pair_dot;
 using fastdecode::prefetch;
-using fastdecode::quantize_rows;
+using fastdecode::quantize_rows_grouped;
 using fastdecode::row_scales;
 using fastdecode::vecf;
 using fastdecode::vfma;
@@ -51,12 +52,6 @@ using fastdecode::vzero;
 // sum s_b; E = the FMA chain over the even blocks, in order, of float(s_b) * (d_w * d_x), O the same over the odd
 // blocks; ME and MO the chains of m_w * sx over the even and odd blocks (the weight mins' share); y = ((E + O) + ME)
 // + MO. Exact per-block integers are what let tiles of any shape (AMX's 16 x 16) compute the same result.
-
-// The per-block sums of four pair_dot results (8 int32 lanes each: 4 partial sums of block b, 4 of block b + 1):
-// lanes [s0 b, s1 b, s2 b, s3 b | s0 b+1, s1 b+1, s2 b+1, s3 b+1].
-inline __m256i block_sums(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
-  return _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
-}
 
 // The weight mins' share for MR rows against tile t, added to y: ME and MO of each (row, weight row) in one register
 // of (weight row, parity) lanes, as the tile stores the mins.
@@ -290,14 +285,6 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   return y;
 }
 
-bool amx_int8_ready();
-void q4_amx(const uint8_t* W, int64_t K, int64_t n_blocks, const int8_t* xq, const float* xd, const float* xsx,
-            int64_t M, int64_t N, const float* bias, float* Y);
-
-// From this many rows the AMX tiles (amx.cpp) take the columns they can (blocks of 32 weight rows): below it the
-// VNNI kernel was measured faster (a tile pass costs about the same for 1 row as for 16).
-constexpr int64_t AMX_MIN_ROWS = 16;
-
 // w (N/4, K/64, 160) uint8. The rows of x are quantized to int8 per block of 32, then every tile of 4 output rows
 // takes all of them, tiles spread over the threads; over AMX_MIN_ROWS rows or more, on a CPU with AMX, the AMX
 // tiles take the blocks of 32 output rows instead (the same results, amx.cpp).
@@ -313,24 +300,10 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   at::Tensor y = at::empty(shape, x2d.options());
   const uint8_t* W = w.data_ptr<uint8_t>();
   float* Y = y.data_ptr<float>();
-  const int64_t row_grain = std::max<int64_t>(1, 4096 / K);
 
-  const int64_t amx_cols = M >= AMX_MIN_ROWS && amx_int8_ready() ? N / 32 * 32 : 0;
+  const int64_t amx_cols = M >= fastdecode::AMX_MIN_ROWS && fastdecode::amx_int8_ready() ? N / 32 * 32 : 0;
   if (amx_cols > 0) {
-    // Element order, rows padded to the tiles' 32 with zeros; d_x per (block, row), also zero in the padding, and
-    // d_x * sum(q_x) per (row, block).
-    const int64_t Mp = (M + 31) / 32 * 32;
-    const at::Tensor xq = at::zeros({Mp, K}, x2d.options().dtype(at::kChar));
-    const at::Tensor xd = at::zeros({blocks, Mp}, x2d.options()), xsx = at::empty({M, blocks}, x2d.options());
-    int8_t* XQ = xq.data_ptr<int8_t>();
-    float *XD = xd.data_ptr<float>(), *XSX = xsx.data_ptr<float>();
-    at::parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t b = 0; b < blocks; ++b)
-          _mm256_storeu_si256((__m256i*)(XQ + m * K + 32 * b),
-                              fastdecode::quantize_block(X + m * K + 32 * b, XD[b * Mp + m], XSX[m * blocks + b]));
-    });
-    q4_amx(W, K, amx_cols / 32, XQ, XD, XSX, M, N, B, Y);
+    fastdecode::amx_linear(fastdecode::AmxFormat::Q4, X, M, K, W, K / 64 * 160, amx_cols / 32, N, B, Y);
     if (amx_cols == N) return y;
   }
 
@@ -339,16 +312,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const at::Tensor xt = at::empty({M / 4, pairs, 8}, x2d.options());  // d_x of each group of 4 rows, per pair
   int8_t* XQ = xq.data_ptr<int8_t>();
   float *XS = xs.data_ptr<float>(), *XT = xt.data_ptr<float>();
-  at::parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_rows(X + m * K, blocks, XQ + m * K, XS + m * pairs * 16);
-  });
-  for (int64_t g = 0; g < M / 4; ++g)
-    for (int64_t p = 0; p < pairs; ++p)
-      for (int i = 0; i < 4; ++i) {
-        const float* s = XS + ((4 * g + i) * pairs + p) * 16;
-        XT[(g * pairs + p) * 8 + i] = s[0];
-        XT[(g * pairs + p) * 8 + 4 + i] = s[4];
-      }
+  quantize_rows_grouped(X, M, K, XQ, XS, XT);
   const int64_t tile_bytes = K / 64 * 160;
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
   at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {

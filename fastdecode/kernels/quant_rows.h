@@ -2,8 +2,10 @@
 // (kquant.cpp) kernels: each activation row is quantized to int8 per block of 32 (d = amax / 127), so that weight
 // times activation sums are exact integers and only the per-block scaling is float.
 #pragma once
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "simd.h"
@@ -52,6 +54,23 @@ inline void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* xs)
   }
 }
 
+// M rows (M, K) -> xq and xs as quantize_rows lays them out, rows spread over the threads, and xt (M / 4, K / 64, 8):
+// per group of 4 rows and pair of blocks, the 4 rows' d_x of block b, then of b + 1, as block_sums lays out 4 rows'
+// sums (for the kernels that take activation rows 4 at a time).
+inline void quantize_rows_grouped(const float* x, int64_t M, int64_t K, int8_t* xq, float* xs, float* xt) {
+  const int64_t pairs = K / 64;
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_rows(x + m * K, K / 32, xq + m * K, xs + m * pairs * 16);
+  });
+  for (int64_t g = 0; g < M / 4; ++g)
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int i = 0; i < 4; ++i) {
+        const float* s = xs + ((4 * g + i) * pairs + p) * 16;
+        xt[(g * pairs + p) * 8 + i] = s[0];
+        xt[(g * pairs + p) * 8 + 4 + i] = s[4];
+      }
+}
+
 // The same values in element order: xq (rows, K) int8, xd (rows, K / 32) the blocks' d (no sums: the formats that
 // read this layout have no per-block min).
 inline void quantize_rows_plain(const float* x, int64_t blocks, int8_t* xq, float* xd) {
@@ -93,6 +112,12 @@ inline __m256i offset32_dot(__m256i u, __m256i x) {
   return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(u, x), _mm256_maddubs_epi16(offset, x)),
                            _mm256_set1_epi16(1));
 #endif
+}
+
+// The per-block sums of four pair_dot results (8 int32 lanes each: 4 partial sums of block b, 4 of block b + 1):
+// lanes [s0 b, s1 b, s2 b, s3 b | s0 b+1, s1 b+1, s2 b+1, s3 b+1].
+inline __m256i block_sums(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
 }
 
 // One weight row's 32 bytes of a pair of 4-bit blocks (byte j of a block: q[j] | q[j + 16] << 4) times x.

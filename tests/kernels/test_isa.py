@@ -10,9 +10,10 @@ from fastdecode.kernels import decoder as native_decoder_module
 from fastdecode.kernels import jit, native_ops, native_ops_for
 from fastdecode.kernels.decoder import native_decoder
 from fastdecode.loading import load_model
-from fastdecode.quant import int4, int8
+from fastdecode.quant import KQuantLinear, int4, int8
 from tests.helpers.checkpoints import checkpoint
 from tests.kernels.test_decoder import run
+from tests.quant.test_kquant import blocks
 
 wide = pytest.mark.skipif(not jit.cpu_has_avx512() or native_ops() is None,
                           reason="needs a CPU with AVX-512 and VNNI, and the native kernels")
@@ -43,6 +44,16 @@ def test_the_wide_build_computes_int4_matmuls_bit_for_bit_and_int8_to_rounding(r
     x = torch.randn(rows, K, generator=g)
     assert torch.equal(wide_ops.q4_linear(x, w4, None), narrow.q4_linear(x, w4, None))
     torch.testing.assert_close(wide_ops.q8_linear(x, w8, None), narrow.q8_linear(x, w8, None), rtol=1e-5, atol=1e-5)
+
+
+@wide
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])
+def test_the_wide_build_computes_k_quant_matmuls_bit_for_bit(kind, rows):
+    narrow, wide_ops = native_ops_for("avx2"), native_ops_for("avx512")
+    w = KQuantLinear(blocks(kind, 64, 512, seed=rows), kind, backend="native").qweight
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(wide_ops.kq_linear(x, w, None), narrow.kq_linear(x, w, None))
 
 
 @wide

@@ -81,13 +81,14 @@ def test_native_output_within_activation_rounding_of_dequantized_matmul(kind, m)
 @NATIVE
 @pytest.mark.parametrize("kind", KINDS)
 def test_native_row_does_not_depend_on_how_many_rows_share_the_call(kind):
-    """1 or 2 rows take all 4 weight rows in one pass, 3 to 8 a pass per weight row, more go in calls of up to 8:
-    a verify step or a batch must reproduce decode steps bit for bit."""
+    """Q4_K/Q5_K: 1 or 2 rows take all 4 weight rows in one pass, groups of 4 and 8 a pass per weight row, and from 16
+    rows on a CPU with AMX the tiles take blocks of 32 weight rows (64 of the 72; the VNNI kernel the rest); Q6_K calls
+    of up to 8 rows: a verify step, a prompt chunk or a batch must reproduce decode steps bit for bit."""
     torch.manual_seed(0)
-    layer = KQuantLinear(blocks(kind, 40, 512), kind, torch.randn(40), backend="native")
-    x = torch.randn(23, 512)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(23)])
-    for m in (*range(1, 10), 16, 17, 23):
+    layer = KQuantLinear(blocks(kind, 72, 512), kind, torch.randn(72), backend="native")
+    x = torch.randn(70, 512)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(70)])
+    for m in (*range(1, 10), 15, 16, 17, 23, 33, 70):
         assert torch.equal(layer(x[:m]), alone[:m]), m
 
 

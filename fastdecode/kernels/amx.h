@@ -1,0 +1,22 @@
+// AMX int8 tiles for the int4 and Q4_K / Q5_K matmuls over many rows (amx.cpp).
+#pragma once
+#include <cstdint>
+
+namespace fastdecode {
+
+enum class AmxFormat { Q4, Q4K, Q5K };  // q4_linear's tiles (160 bytes per pair of blocks), kq_linear's (592, 720)
+
+// From this many rows the tiles take the blocks of 32 weight rows they can: below it the VNNI kernels were measured
+// as fast (a tile pass costs about the same for 1 row as for 16, and rows are padded to 32).
+constexpr int64_t AMX_MIN_ROWS = 16;
+
+// Whether this process may use AMX's int8 tiles: a CPU with them, the OS's permission, FASTDECODE_AMX not 0, and this
+// build (the AVX-512 one) has them.
+bool amx_int8_ready();
+
+// Y[:, :n_blocks * 32] = X @ W.T (+ bias) for X (M, K) float, W the format's packed tiles (tile_bytes per 4 weight
+// rows), Y (M, N): bit for bit what the VNNI kernel gives for those columns.
+void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes,
+                int64_t n_blocks, int64_t N, const float* bias, float* Y);
+
+}  // namespace fastdecode
