@@ -1,18 +1,21 @@
-// The int4 and Q4_K / Q5_K matmuls (q4_linear's and kq_linear's packed weights, quant.cpp and kquant.cpp) on AMX
-// tiles, for many activation rows at once: a prompt chunk, or a batch of decode and verify rows. Intel's AMX multiplies a 16 x 64-byte int8 tile by a 64 x 16 one into
+// The int4 and K-quant matmuls (q4_linear's and kq_linear's packed weights, quant.cpp and kquant.cpp) on AMX tiles,
+// for many activation rows at once: a prompt chunk, or a batch of decode and verify rows. Intel's AMX multiplies a 16 x 64-byte int8 tile by a 64 x 16 one into
 // 16 x 16 int32 in one instruction, about 8x the products a core makes with VNNI, so over many rows the float work
 // around it is what costs.
 //
-// Bit for bit the arithmetic of the AVX2/VNNI kernels (quant.cpp): per block of 32 an exact integer sum (here one
-// tdpbsud of an activation tile, signed, by a weight tile, unsigned, with K = 32), then per output the same FMA chains
-// E and O over the even and odd blocks of float(sum) * (d_w * d_x), ME and MO of the mins (m_w * sx added for int4,
-// dmin * m * sx subtracted for the K-quants, whose d_w is d * sc), and y = ((E + O) + ME) + MO. So a row's result does not
-// depend on which kernel ran it: a prompt chunk and decode steps, a request alone and in a batch, agree exactly.
+// Bit for bit the arithmetic of the AVX2/VNNI kernels: per unit (a block of 32; Q6_K's sub-block of 16) an exact
+// integer sum, here one tdpbsud of an activation tile, signed, by a weight tile, unsigned, with K = the unit (Q6_K's
+// -32 offset taken off as 32 * the sum of the unit's activations); then per output the same FMA chains of float(sum)
+// * (d_w * d_x), one per class of units: int4, Q4_K, Q5_K (quant.cpp) the even and odd blocks E, O, and ME, MO of
+// the mins (m_w * sx added for int4, dmin * m * sx subtracted for the K-quants, whose d_w is d * sc), y = ((E + O) +
+// ME) + MO; Q6_K (kquant.cpp) the 8 sub-blocks of a half super-block c0..c7, y = ((c0 + c1) + (c4 + c5)) + ((c2 + c3)
+// + (c6 + c7)). So a row's result does not depend on which kernel ran it: a prompt chunk and decode steps, a request
+// alone and in a batch, agree exactly.
 //
-// Per block of 32 outputs (two 16-row weight tiles) a thread unpacks the nibbles of every block of K once into AMX's
+// Per block of 32 outputs (two 16-row weight tiles) a thread unpacks the values of every unit of K once into AMX's
 // B layout (per 4 consecutive k, the 16 columns' 4 bytes side by side); then per 32 activation rows (two A tiles,
-// element order, straight from the quantized rows) each block b takes 4 tdpbsud, whose int32 results are scaled into
-// float accumulators in memory (E or O by the parity of b).
+// element order, straight from the quantized rows) each unit takes 4 tdpbsud, whose int32 results are scaled into
+// float accumulators in memory, one per class.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -38,9 +41,17 @@ namespace {
 
 constexpr int64_t ROWS = 32, COLS = 32;  // activation rows and weight rows per block of outputs: 2 x 2 tiles
 
-// The packed layouts (amx.h's AmxFormat): where block b's nibbles and factors lie in a tile of 4 weight rows.
+// The packed layouts: where a unit's values and factors lie in a tile of 4 weight rows (of the whole K).
 constexpr int64_t Q4_PAIR = 160;  // quant.cpp's q4 tile: per pair of blocks 8 fp16 d, 8 fp16 m, 4 rows x 32 bytes
-constexpr int64_t Q4K_SB = 592, Q5K_SB = 720;  // kquant.cpp's tiles per super-block of 8 blocks
+constexpr int64_t Q4K_SB = 592, Q5K_SB = 720, Q6K_SB = 840;  // kquant.cpp's tiles per super-block of 256
+
+// Per format: the unit of K one integer sum covers, how many accumulator classes, whether mins follow.
+template <AmxFormat F> struct Traits {
+  static constexpr int64_t UNIT = F == AmxFormat::Q6K ? 16 : 32;
+  static constexpr int CLASSES = F == AmxFormat::Q6K ? 8 : 2;
+  static constexpr bool MINS = F != AmxFormat::Q6K;
+  static constexpr int64_t B_BYTES = UNIT / 4 * 64;  // a B tile: UNIT / 4 rows of 16 columns x 4 bytes
+};
 
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -48,26 +59,20 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: C (int32 16 x 16), for A tile i and B tile j, 2 i + j; 4-5: A (16 rows x 32 int8); 6-7: B (8 x 64 u8).
-void configure_tiles() {
+// Tiles 0-3: C (int32 16 x 16), for A tile i and B tile j, 2 i + j; 4-5: A (16 rows x unit int8); 6-7: B (unit / 4
+// rows x 64 u8).
+void configure_tiles(int64_t unit) {
   TileConfig cfg;
   for (int c = 0; c < 4; ++c) cfg.rows[c] = 16, cfg.colsb[c] = 64;
-  for (int a = 4; a < 6; ++a) cfg.rows[a] = 16, cfg.colsb[a] = 32;
-  for (int b = 6; b < 8; ++b) cfg.rows[b] = 8, cfg.colsb[b] = 64;
+  for (int a = 4; a < 6; ++a) cfg.rows[a] = 16, cfg.colsb[a] = unit;
+  for (int b = 6; b < 8; ++b) cfg.rows[b] = unit / 4, cfg.colsb[b] = 64;
   _tile_loadconfig(&cfg);
 }
 
-// Row 0's 16 bytes of block b's nibbles in a tile (byte e = q[e] | q[e + 16] << 4; row r 32 bytes further).
-const uint8_t* nibbles(AmxFormat f, const uint8_t* tile, int64_t b) {
-  if (f == AmxFormat::Q4) return tile + b / 2 * Q4_PAIR + 32 + 16 * (b % 2);
-  const int64_t sb_bytes = f == AmxFormat::Q4K ? Q4K_SB : Q5K_SB;
-  return tile + b / 8 * sb_bytes + (sb_bytes - 512) + 128 * (b % 8 / 2) + 16 * (b % 2);
-}
-
-// v[r]: 128-bit lane i = the 16 bytes at p + 32 r of q4 tile i (output column 4 i + r), for 4 tiles.
-inline void load_rows(const uint8_t* p, int64_t tile_bytes, __m512i v[4]) {
+// v[r]: 128-bit lane i = the 16 bytes at p + stride r of tile i (output column 4 i + r), for 4 tiles.
+inline void load_rows(const uint8_t* p, int64_t stride, int64_t tile_bytes, __m512i v[4]) {
   for (int r = 0; r < 4; ++r) {
-    const uint8_t* row = p + 32 * r;
+    const uint8_t* row = p + stride * r;
     __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)row));
     z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(row + tile_bytes)), 1);
     z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(row + 2 * tile_bytes)), 2);
@@ -83,24 +88,50 @@ inline void transpose(const __m512i v[4], __m512i o[4]) {
   o[2] = _mm512_unpacklo_epi64(t1, t3), o[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-// 16 weight rows (4 tiles from `tile`) of block b -> B (8 rows x 64 bytes): row kk < 4 holds each column's elements
-// 4 kk .. 4 kk + 3 (the low nibbles of its bytes 4 kk ..), row 4 + kk its elements 16 + 4 kk .. (the high nibbles),
-// so B's k runs over the block's elements in order, as the activations lie. Q5_K adds each value's fifth bit (bit
-// 2 p of the fifth-bit byte for the low nibble of pair p's byte, bit 2 p + 1 for the high one, kquant.cpp).
-void unpack_b(AmxFormat f, const uint8_t* tile, int64_t tile_bytes, int64_t b, uint8_t* out) {
-  __m512i v[4], o[4], lo[4], hi[4];
-  load_rows(nibbles(f, tile, b), tile_bytes, v);
-  transpose(v, o);
+inline __m512i srl16(__m512i v, unsigned bits) { return _mm512_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
+
+// 16 weight rows (4 tiles from `tile`) of unit u -> B: row kk holds each column's elements 4 kk .. 4 kk + 3 of the
+// unit, so B's k runs over the unit's elements in order, as the activations lie.
+// int4 / Q4_K / Q5_K (block u of 32): rows kk < 4 the low nibbles of the column's bytes 4 kk .., rows 4 + kk the
+// high nibbles (byte e = q[e] | q[e + 16] << 4); Q5_K adds each value's fifth bit (bit 2 p of the fifth-bit byte for
+// the low nibble of pair p's byte, bit 2 p + 1 for the high one). Q6_K (sub-block u of 16, element e of block i of a
+// half): the low nibble (i < 2) or high nibble of ql byte 32 (i % 2) + e, with bits 2 i, 2 i + 1 of qh byte e on top.
+template <AmxFormat F>
+void unpack_b(const uint8_t* tile, int64_t tile_bytes, int64_t u, uint8_t* out) {
+  __m512i v[4], o[4];
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  if (F == AmxFormat::Q6K) {
+    const int64_t sb = u / 16, h = u % 16 / 8, i = u % 8 / 2, s = u % 2;
+    const uint8_t* q = tile + sb * Q6K_SB + 72 + 384 * h;
+    __m512i hv[4], ho[4];
+    load_rows(q + 32 * (i % 2) + 16 * s, 96, tile_bytes, v);
+    load_rows(q + 64 + 16 * s, 96, tile_bytes, hv);
+    transpose(v, o);
+    transpose(hv, ho);
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    for (int kk = 0; kk < 4; ++kk) {
+      const __m512i lo = _mm512_and_si512(srl16(o[kk], 4 * (i / 2)), low4);
+      const __m512i hi = _mm512_and_si512(_mm512_slli_epi16(srl16(ho[kk], 2 * i), 4), bits45);
+      _mm512_store_si512(out + 64 * kk, _mm512_or_si512(lo, hi));
+    }
+    return;
+  }
+  __m512i lo[4], hi[4];
+  const uint8_t* q;
+  if (F == AmxFormat::Q4) q = tile + u / 2 * Q4_PAIR + 32 + 16 * (u % 2);
+  else q = tile + u / 8 * (F == AmxFormat::Q4K ? Q4K_SB : Q5K_SB) + (F == AmxFormat::Q4K ? 80 : 208) + 128 * (u % 8 / 2) +
+           16 * (u % 2);
+  load_rows(q, 32, tile_bytes, v);
+  transpose(v, o);
   for (int kk = 0; kk < 4; ++kk)
-    lo[kk] = _mm512_and_si512(o[kk], low4), hi[kk] = _mm512_and_si512(_mm512_srli_epi16(o[kk], 4), low4);
-  if (f == AmxFormat::Q5K) {
-    load_rows(tile + b / 8 * Q5K_SB + 80 + 16 * (b % 2), tile_bytes, v);
+    lo[kk] = _mm512_and_si512(o[kk], low4), hi[kk] = _mm512_and_si512(srl16(o[kk], 4), low4);
+  if (F == AmxFormat::Q5K) {
+    load_rows(tile + u / 8 * Q5K_SB + 80 + 16 * (u % 2), 32, tile_bytes, v);
     transpose(v, o);
     const __m512i bit4 = _mm512_set1_epi8(0x10);
-    const unsigned p = b % 8 / 2;
+    const unsigned p = u % 8 / 2;
     for (int kk = 0; kk < 4; ++kk) {
-      const __m512i bits = _mm512_srl_epi16(o[kk], _mm_cvtsi32_si128(2 * p));
+      const __m512i bits = srl16(o[kk], 2 * p);
       lo[kk] = _mm512_or_si512(lo[kk], _mm512_and_si512(_mm512_slli_epi16(bits, 4), bit4));
       hi[kk] = _mm512_or_si512(hi[kk], _mm512_and_si512(_mm512_slli_epi16(bits, 3), bit4));
     }
@@ -117,20 +148,24 @@ inline float fp16(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// The float factors of 32 weight rows (8 tiles from `tile`), per block: d_w -> dw[b][n], the mins' -> mw[b][n]
-// (int4: m; K-quants: dmin * m), as the VNNI kernels compute them.
-void weight_factors(AmxFormat f, const uint8_t* tile, int64_t tile_bytes, int64_t blocks, float* dw, float* mw) {
+// The float factors of 32 weight rows (8 tiles from `tile`), per unit: d_w -> dw[u][n], the mins' -> mw[u][n]
+// (int4: m; Q4_K, Q5_K: dmin * m), as the VNNI kernels compute them.
+template <AmxFormat F>
+void weight_factors(const uint8_t* tile, int64_t tile_bytes, int64_t units, float* dw, float* mw) {
   for (int64_t t = 0; t < COLS / 4; ++t, tile += tile_bytes)
     for (int r = 0; r < 4; ++r)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t n = b * COLS + 4 * t + r;
-        if (f == AmxFormat::Q4) {  // (row, parity) order per pair
-          const uint8_t* head = tile + b / 2 * Q4_PAIR + 2 * (2 * r + b % 2);
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t n = u * COLS + 4 * t + r;
+        if (F == AmxFormat::Q4) {  // (row, parity) order per pair
+          const uint8_t* head = tile + u / 2 * Q4_PAIR + 2 * (2 * r + u % 2);
           dw[n] = fp16(head);
           mw[n] = fp16(head + 16);
+        } else if (F == AmxFormat::Q6K) {  // d per row, int8 sc in (half, row, sub-block of the half) order
+          const uint8_t* sb = tile + u / 16 * Q6K_SB;
+          dw[n] = fp16(sb + 2 * r) * float(int8_t(sb[8 + 32 * (u % 16 / 8) + 8 * r + u % 8]));
         } else {  // per super-block the 4 rows' d and dmin, then sc and m in (pair, row, parity) order
-          const uint8_t* sb = tile + b / 8 * (f == AmxFormat::Q4K ? Q4K_SB : Q5K_SB);
-          const int64_t i = b % 8 / 2 * 8 + 2 * r + b % 2;
+          const uint8_t* sb = tile + u / 8 * (F == AmxFormat::Q4K ? Q4K_SB : Q5K_SB);
+          const int64_t i = u % 8 / 2 * 8 + 2 * r + u % 2;
           dw[n] = fp16(sb + 2 * r) * float(sb[16 + i]);
           mw[n] = fp16(sb + 8 + 2 * r) * float(sb[48 + i]);
         }
@@ -138,11 +173,14 @@ void weight_factors(AmxFormat f, const uint8_t* tile, int64_t tile_bytes, int64_
 }
 
 // Thread-local working memory, 64-byte aligned (tile loads and zmm stores).
+template <AmxFormat F>
 struct Scratch {
+  using T = Traits<F>;
   std::vector<__m512i> b, c, acc;
   std::vector<float> dw, mw;
-  explicit Scratch(int64_t blocks)
-      : b(blocks * 2 * 8), c(2 * 4 * 16), acc(2 * ROWS * COLS / 16), dw(blocks * COLS), mw(blocks * COLS) {}
+  explicit Scratch(int64_t units)
+      : b(units * 2 * T::B_BYTES / 64), c(2 * 4 * 16), acc(T::CLASSES * ROWS * COLS / 16), dw(units * COLS),
+        mw(T::MINS ? units * COLS : 0) {}
 };
 
 bool tiles_permitted() {
@@ -157,36 +195,47 @@ bool tiles_permitted() {
   return ready;
 }
 
-// xq: the rows quantized per block of 32 in element order, padded with zero rows to Mp, a multiple of 32; xd
-// (K / 32, Mp) the d_x of each (block, row), zero in the padding; xsx (M, K / 32) each (row, block)'s d_x * sum(q_x).
-void tiles_linear(AmxFormat f, const uint8_t* W, int64_t tile_bytes, int64_t K, int64_t n_blocks, const int8_t* xq,
-                  const float* xd, const float* xsx, int64_t M, int64_t N, const float* bias, float* Y) {
-  const int64_t blocks = K / 32, Mp = (M + 31) / 32 * 32;
+// The quantized rows: xq (Mp, K) int8 in element order, padded with zero rows to Mp, a multiple of 32; xd (K / 32,
+// Mp) the d_x of each (block, row), zero in the padding; xsx (M, K / 32) each (row, block)'s d_x * sum(q_x) (the
+// mins' factor); xo (K / 16, Mp) int32: 32 * the sum of each (sub-block of 16, row)'s values (Q6_K's offset).
+struct Rows {
+  int64_t M, Mp;
+  std::vector<int8_t> xq;
+  std::vector<float> xd, xsx;
+  std::vector<int32_t> xo;
+};
+
+template <AmxFormat F>
+void tiles_linear(const uint8_t* W, int64_t tile_bytes, int64_t K, int64_t n_blocks, const Rows& x, int64_t N,
+                  const float* bias, float* Y) {
+  using T = Traits<F>;
+  constexpr int64_t UNIT = T::UNIT, CLASSES = T::CLASSES, B_BYTES = T::B_BYTES;
+  const int64_t units = K / UNIT, blocks = K / 32, M = x.M, Mp = x.Mp;
   at::parallel_for(0, n_blocks, 1, [&](int64_t nb0, int64_t nb1) {
-    configure_tiles();
-    Scratch s(blocks);
+    configure_tiles(UNIT);
+    Scratch<F> s(units);
     uint8_t* bbuf = reinterpret_cast<uint8_t*>(s.b.data());
     int32_t* cbuf = reinterpret_cast<int32_t*>(s.c.data());
-    float* acc = reinterpret_cast<float*>(s.acc.data());  // [parity][ROWS][COLS]
+    float* acc = reinterpret_cast<float*>(s.acc.data());  // [class][ROWS][COLS]
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const uint8_t* tiles = W + nb * (COLS / 4) * tile_bytes;
-      for (int64_t b = 0; b < blocks; ++b)
-        for (int j = 0; j < 2; ++j) unpack_b(f, tiles + 4 * j * tile_bytes, tile_bytes, b, bbuf + (2 * b + j) * 512);
-      weight_factors(f, tiles, tile_bytes, blocks, s.dw.data(), s.mw.data());
+      for (int64_t u = 0; u < units; ++u)
+        for (int j = 0; j < 2; ++j) unpack_b<F>(tiles + 4 * j * tile_bytes, tile_bytes, u, bbuf + (2 * u + j) * B_BYTES);
+      weight_factors<F>(tiles, tile_bytes, units, s.dw.data(), s.mw.data());
       for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-        const int64_t rows = std::min<int64_t>(ROWS, M - m0);
-        std::memset(acc, 0, sizeof(float) * 2 * ROWS * COLS);
-        // Block b's tile work is issued before block b - 1's float work, into the other C buffer, so that the
-        // tile unit and the vector units run side by side.
-        const auto tiles_of = [&](int64_t b, int32_t* c) {
+        std::memset(acc, 0, sizeof(float) * CLASSES * ROWS * COLS);
+        // Unit u's tile work is issued before unit u - 1's float work, into the other C buffer, so that the tile
+        // unit and the vector units run side by side.
+        const auto tiles_of = [&](int64_t u, int32_t* c) {
+          const int8_t* a = x.xq.data() + m0 * K + UNIT * u;
           _tile_zero(0);
           _tile_zero(1);
           _tile_zero(2);
           _tile_zero(3);
-          _tile_loadd(4, xq + m0 * K + 32 * b, K);
-          _tile_loadd(5, xq + (m0 + 16) * K + 32 * b, K);
-          _tile_loadd(6, bbuf + 2 * b * 512, 64);
-          _tile_loadd(7, bbuf + (2 * b + 1) * 512, 64);
+          _tile_loadd(4, a, K);
+          _tile_loadd(5, a + 16 * K, K);
+          _tile_loadd(6, bbuf + 2 * u * B_BYTES, 64);
+          _tile_loadd(7, bbuf + (2 * u + 1) * B_BYTES, 64);
           _tile_dpbsud(0, 4, 6);
           _tile_dpbsud(1, 4, 7);
           _tile_dpbsud(2, 5, 6);
@@ -196,55 +245,61 @@ void tiles_linear(AmxFormat f, const uint8_t* W, int64_t tile_bytes, int64_t K, 
           _tile_stored(2, c + 512, 64);
           _tile_stored(3, c + 768, 64);
         };
-        // acc[parity][row][col] += float(C) * (d_w * d_x), 16 rows of a C tile at a time, all 32 rows (the padding
+        // acc[class][row][col] += float(C) * (d_w * d_x), 16 rows of a C tile at a time, all 32 rows (the padding
         // rows' d_x are 0).
-        const auto scale_into = [&](int64_t b, const int32_t* cb) {
-          float* a = acc + (b % 2) * ROWS * COLS;
-          const float* dx = xd + b * Mp + m0;
+        const auto scale_into = [&](int64_t u, const int32_t* cb) {
+          float* a = acc + (u % CLASSES) * ROWS * COLS;
+          const float* dx = x.xd.data() + u * UNIT / 32 * Mp + m0;
+          const int32_t* xo = T::MINS ? nullptr : x.xo.data() + u * Mp + m0;
           for (int i = 0; i < 2; ++i)
             for (int j = 0; j < 2; ++j) {
-              const __m512 wv = _mm512_loadu_ps(s.dw.data() + b * COLS + 16 * j);
+              const __m512 wv = _mm512_loadu_ps(s.dw.data() + u * COLS + 16 * j);
               const int32_t* c = cb + (2 * i + j) * 256;
               float* out = a + 16 * i * COLS + 16 * j;
-              const float* d = dx + 16 * i;
 #pragma GCC unroll 16
               for (int r = 0; r < 16; ++r) {
-                const __m512 scale = _mm512_mul_ps(wv, _mm512_set1_ps(d[r]));
-                _mm512_storeu_ps(out + r * COLS, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)),
-                                                                 scale, _mm512_loadu_ps(out + r * COLS)));
+                __m512i sums = _mm512_load_si512(c + 16 * r);
+                if (!T::MINS) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(xo[16 * i + r]));
+                const __m512 scale = _mm512_mul_ps(wv, _mm512_set1_ps(dx[16 * i + r]));
+                _mm512_storeu_ps(out + r * COLS,
+                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, _mm512_loadu_ps(out + r * COLS)));
               }
             }
         };
         tiles_of(0, cbuf);
-        for (int64_t b = 1; b < blocks; ++b) {
-          tiles_of(b, cbuf + (b % 2) * 1024);
-          scale_into(b - 1, cbuf + ((b - 1) % 2) * 1024);
+        for (int64_t u = 1; u < units; ++u) {
+          tiles_of(u, cbuf + (u % 2) * 1024);
+          scale_into(u - 1, cbuf + ((u - 1) % 2) * 1024);
         }
-        scale_into(blocks - 1, cbuf + ((blocks - 1) % 2) * 1024);
-        // The mins' chains, then y = ((E + O) + ME) + MO (+ bias).
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* sx = xsx + (m0 + r) * blocks;
+        scale_into(units - 1, cbuf + ((units - 1) % 2) * 1024);
+        for (int64_t r = 0; r < std::min<int64_t>(ROWS, M - m0); ++r)
           for (int j = 0; j < 2; ++j) {
-            __m512 me = _mm512_setzero_ps(), mo = _mm512_setzero_ps();
-            const float* mw = s.mw.data() + 16 * j;
-            if (f == AmxFormat::Q4)
+            const float* a = acc + r * COLS + 16 * j;
+            const auto cls = [&](int k) { return _mm512_loadu_ps(a + k * ROWS * COLS); };
+            __m512 y;
+            if (T::MINS) {  // the mins' chains, then ((E + O) + ME) + MO
+              const float* sx = x.xsx.data() + (m0 + r) * blocks;
+              const float* mw = s.mw.data() + 16 * j;
+              __m512 me = _mm512_setzero_ps(), mo = _mm512_setzero_ps();
               for (int64_t b = 0; b < blocks; b += 2) {
-                me = _mm512_fmadd_ps(_mm512_loadu_ps(mw + b * COLS), _mm512_set1_ps(sx[b]), me);
-                mo = _mm512_fmadd_ps(_mm512_loadu_ps(mw + (b + 1) * COLS), _mm512_set1_ps(sx[b + 1]), mo);
+                const __m512 we = _mm512_loadu_ps(mw + b * COLS), wo = _mm512_loadu_ps(mw + (b + 1) * COLS);
+                if (F == AmxFormat::Q4) {
+                  me = _mm512_fmadd_ps(we, _mm512_set1_ps(sx[b]), me);
+                  mo = _mm512_fmadd_ps(wo, _mm512_set1_ps(sx[b + 1]), mo);
+                } else {
+                  me = _mm512_fnmadd_ps(we, _mm512_set1_ps(sx[b]), me);
+                  mo = _mm512_fnmadd_ps(wo, _mm512_set1_ps(sx[b + 1]), mo);
+                }
               }
-            else
-              for (int64_t b = 0; b < blocks; b += 2) {
-                me = _mm512_fnmadd_ps(_mm512_loadu_ps(mw + b * COLS), _mm512_set1_ps(sx[b]), me);
-                mo = _mm512_fnmadd_ps(_mm512_loadu_ps(mw + (b + 1) * COLS), _mm512_set1_ps(sx[b + 1]), mo);
-              }
-            const float* e = acc + r * COLS + 16 * j;
-            __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(e), _mm512_loadu_ps(e + ROWS * COLS)),
-                                                   me), mo);
+              y = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(cls(0), cls(1)), me), mo);
+            } else {  // hsum's order over the 8 classes of sub-blocks
+              y = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(cls(0), cls(1)), _mm512_add_ps(cls(4), cls(5))),
+                                _mm512_add_ps(_mm512_add_ps(cls(2), cls(3)), _mm512_add_ps(cls(6), cls(7))));
+            }
             const int64_t n = nb * COLS + 16 * j;
             if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n));
             _mm512_storeu_ps(Y + (m0 + r) * N + n, y);
           }
-        }
       }
     }
     _tile_release();
@@ -258,15 +313,28 @@ bool amx_int8_ready() { return tiles_permitted(); }
 void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes,
                 int64_t n_blocks, int64_t N, const float* bias, float* Y) {
   const int64_t blocks = K / 32, Mp = (M + 31) / 32 * 32;
-  std::vector<int8_t> xq(Mp * K, 0);
-  std::vector<float> xd(blocks * Mp, 0.0f), xsx(M * blocks);
+  const bool q6 = f == AmxFormat::Q6K;
+  Rows x{M, Mp, std::vector<int8_t>(Mp * K, 0), std::vector<float>(blocks * Mp, 0.0f),
+         std::vector<float>(M * blocks), std::vector<int32_t>(q6 ? 2 * blocks * Mp : 0, 0)};
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t b = 0; b < blocks; ++b)
-        _mm256_storeu_si256((__m256i*)(xq.data() + m * K + 32 * b),
-                            quantize_block(X + m * K + 32 * b, xd[b * Mp + m], xsx[m * blocks + b]));
+      for (int64_t b = 0; b < blocks; ++b) {
+        int8_t* q = x.xq.data() + m * K + 32 * b;
+        _mm256_storeu_si256((__m256i*)q, quantize_block(X + m * K + 32 * b, x.xd[b * Mp + m], x.xsx[m * blocks + b]));
+        if (q6)
+          for (int h = 0; h < 2; ++h) {
+            int32_t sum = 0;
+            for (int e = 0; e < 16; ++e) sum += q[16 * h + e];
+            x.xo[(2 * b + h) * Mp + m] = 32 * sum;
+          }
+      }
   });
-  tiles_linear(f, W, tile_bytes, K, n_blocks, xq.data(), xd.data(), xsx.data(), M, N, bias, Y);
+  switch (f) {
+    case AmxFormat::Q4: return tiles_linear<AmxFormat::Q4>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
+    case AmxFormat::Q4K: return tiles_linear<AmxFormat::Q4K>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
+    case AmxFormat::Q5K: return tiles_linear<AmxFormat::Q5K>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
+    case AmxFormat::Q6K: return tiles_linear<AmxFormat::Q6K>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
+  }
 }
 
 #else  // a build without AMX (the AVX2 one): never ready, never called

@@ -1,10 +1,11 @@
-// AMX int8 tiles for the int4 and Q4_K / Q5_K matmuls over many rows (amx.cpp).
+// AMX int8 tiles for the int4 and K-quant matmuls over many rows (amx.cpp).
 #pragma once
 #include <cstdint>
 
 namespace fastdecode {
 
-enum class AmxFormat { Q4, Q4K, Q5K };  // q4_linear's tiles (160 bytes per pair of blocks), kq_linear's (592, 720)
+// q4_linear's tiles (160 bytes per pair of blocks), kq_linear's (592, 720, 840 bytes per super-block)
+enum class AmxFormat { Q4, Q4K, Q5K, Q6K };
 
 // From this many rows the tiles take the blocks of 32 weight rows they can: below it the VNNI kernels were measured
 // as fast (a tile pass costs about the same for 1 row as for 16, and rows are padded to 32).

@@ -195,12 +195,15 @@ void pair_tile(Call c, int64_t M, const float* xt) {
   if (M == 1) kq_pass<1, Q5>(c);
 }
 
-// The same for Q6_K: per half super-block and row, the 6-bit values unpacked into 4 registers of 32 consecutive
-// weights; each times its activation block gives 8 int32 lanes, 0-3 one sub-block of 16, 4-7 the next. The -32 offset
-// is taken off in the integer sums (offset32_dot).
+// Q6_K: per half super-block and row, the 6-bit values unpacked into 4 registers of 32 consecutive weights; each
+// times its activation block gives 8 int32 lanes, 0-3 one sub-block of 16, 4-7 the next, with the -32 offset taken
+// off in the integer sums (offset32_dot). The half's 8 sub-block sums (block_sums: lanes sub-blocks 0, 2, 4, 6 | 1,
+// 3, 5, 7) are scaled by d * sc * d_x into one accumulator whose lanes are those 8 classes of sub-blocks, summed
+// at the end in hsum's fixed order: the arithmetic amx.cpp reproduces.
 template <int MR, int NR>
 void q6_rows(const Call& c, int r0) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i by_block = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -210,7 +213,8 @@ void q6_rows(const Call& c, int r0) {
       const int64_t b0 = 8 * sb + 4 * h;  // the half's first activation block
       for (int r = 0; r < NR; ++r) {
         const int row = r0 + r;
-        const __m256 s = _mm256_mul_ps(_mm256_set1_ps(fp16(w + 2 * row)), i8_floats(w + 8 + 32 * h + 8 * row));
+        const __m256 s = _mm256_permutevar8x32_ps(
+            _mm256_mul_ps(_mm256_set1_ps(fp16(w + 2 * row)), i8_floats(w + 8 + 32 * h + 8 * row)), by_block);
         const uint8_t* qp = w + 72 + 384 * h + 96 * row;
         const __m256i ql0 = _mm256_loadu_si256((const __m256i*)qp), ql1 = _mm256_loadu_si256((const __m256i*)(qp + 32));
         const __m256i qh = _mm256_loadu_si256((const __m256i*)(qp + 64));
@@ -220,14 +224,16 @@ void q6_rows(const Call& c, int r0) {
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, bits45)),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45))};
-        for (int i = 0; i < 4; ++i) {
-          const __m256 si = _mm256_permutevar8x32_ps(s, row_scales(i));  // sub-blocks 2i, 2i + 1 of the half
-          for (int m = 0; m < MR; ++m) {
-            const __m256i x = _mm256_loadu_si256((const __m256i*)(c.xq + m * c.K + 32 * (b0 + i)));
-            const __m256i dot = offset32_dot(q[i], x);
-            const __m256 scaled = _mm256_mul_ps(si, _mm256_broadcast_ss(c.xs + m * c.xs_row + b0 + i));
-            acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scaled, acc[m][r]);
-          }
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* x = c.xq + m * c.K + 32 * b0;
+          const __m256i sums = block_sums(
+              offset32_dot(q[0], _mm256_loadu_si256((const __m256i*)x)),
+              offset32_dot(q[1], _mm256_loadu_si256((const __m256i*)(x + 32))),
+              offset32_dot(q[2], _mm256_loadu_si256((const __m256i*)(x + 64))),
+              offset32_dot(q[3], _mm256_loadu_si256((const __m256i*)(x + 96))));
+          // d_x of blocks b0 .. b0 + 3 in both halves: sub-blocks 2 i and 2 i + 1 lie in block b0 + i
+          const __m256 scaled = _mm256_mul_ps(s, _mm256_broadcast_ps((const __m128*)(c.xs + m * c.xs_row + b0)));
+          acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scaled, acc[m][r]);
         }
       }
     }
@@ -274,8 +280,8 @@ namespace fastdecode {
 
 // w (N/4, K/256, 592 | 720 | 840) uint8: Q4_K, Q5_K or Q6_K by its tile size. The rows of x are quantized to int8
 // per block of 32 (in pair order for Q4_K/Q5_K, element order for Q6_K), then every tile of 4 output rows takes all
-// of them, tiles spread over the threads; Q4_K/Q5_K over AMX_MIN_ROWS rows or more, on a CPU with AMX, on AMX tiles
-// (the same results, amx.cpp) for the blocks of 32 output rows.
+// of them, tiles spread over the threads; over AMX_MIN_ROWS rows or more, on a CPU with AMX, on AMX tiles (the same
+// results, amx.cpp) for the blocks of 32 output rows.
 at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte &&
               (w.size(2) == Q4K_BYTES || w.size(2) == Q5K_BYTES || w.size(2) == Q6K_BYTES), "bad K-quant weight");
@@ -292,9 +298,10 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const int64_t tile_bytes = K / QK_K * bytes;
   const bool q6 = bytes == Q6K_BYTES;
 
-  const int64_t amx_cols = !q6 && M >= AMX_MIN_ROWS && amx_int8_ready() ? N / 32 * 32 : 0;
+  const int64_t amx_cols = M >= AMX_MIN_ROWS && amx_int8_ready() ? N / 32 * 32 : 0;
   if (amx_cols > 0) {
-    amx_linear(bytes == Q4K_BYTES ? AmxFormat::Q4K : AmxFormat::Q5K, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
+    const AmxFormat f = bytes == Q4K_BYTES ? AmxFormat::Q4K : bytes == Q5K_BYTES ? AmxFormat::Q5K : AmxFormat::Q6K;
+    amx_linear(f, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
     if (amx_cols == N) return y;
   }
 
