@@ -82,19 +82,38 @@ class KeyTrie:
         return sum(1 << self.index[k] for k in set(keys) & self.index.keys())
 
 
+# The first character of a JSON value of each JSON Schema type.
+TYPE_FIRST_CHARS = {"string": '"', "number": "-" + DIGITS, "integer": "-" + DIGITS, "boolean": "tf", "null": "n",
+                    "object": "{", "array": "["}
+
+
+def first_chars(type_) -> str | None:
+    """The characters a value of JSON Schema type `type_` (a name, a list of names, or absent) may start with; None
+    where the type says nothing the grammar can use (absent, unknown names)."""
+    names = [type_] if isinstance(type_, str) else type_ if isinstance(type_, list) else []
+    if not names or not all(isinstance(n, str) and n in TYPE_FIRST_CHARS for n in names):
+        return None
+    return "".join(TYPE_FIRST_CHARS[n] for n in names)
+
+
 class JsonObject:
     """One JSON object (RFC 8259) with optional whitespace before it, as a pushdown recognizer.
 
     `keys`, when given, are the only keys its top level may hold (each once; a function's `properties`), and the
-    object closes only once every key in `required` is there. Values are any JSON.
+    object closes only once every key in `required` is there. `types` (key -> a JSON Schema "type", a name or a list
+    of names) makes a top-level key's value start as its type does: a "string" property gets a string, not an
+    object. Values are otherwise any JSON.
 
     State: (mode, stack, aux, whitespace run, top-level keys used as a bit mask over the trie's keys). stack holds
     "o"/"a" for the open objects and arrays; aux is the string kind ("key"/"value"), the trie node of a restricted
-    key being read (mode "rkey"), the unmatched rest of a literal (true/false/null) or the hex digits still due."""
+    key being read (mode "rkey"), the index of the restricted key whose value is due (modes "colon", "value"), the
+    unmatched rest of a literal (true/false/null) or the hex digits still due."""
 
-    def __init__(self, keys: list[str] | None = None, required: list[str] = ()):
+    def __init__(self, keys: list[str] | None = None, required: list[str] = (), types: dict | None = None):
         self.trie = None if keys is None else KeyTrie(keys)
         self.required = self.trie.mask(required) if self.trie is not None else 0
+        # per restricted key, the characters its value may start with (None: any value)
+        self.first = [] if self.trie is None else [first_chars((types or {}).get(k)) for k in self.trie.index]
         self.start = ("start", "", "", 0, 0)
 
     def done(self, state) -> bool:
@@ -141,10 +160,12 @@ class JsonObject:
                 return ("str", stack, "key", 0, used)
             return self._close(stack, ch, used) if mode == "key_or_end" else None
         if mode == "colon":
-            return ("value", stack, "", 0, used) if ch == ":" else None
+            return ("value", stack, aux, 0, used) if ch == ":" else None
         if mode in ("value", "value_or_end"):
             if mode == "value_or_end" and ch == "]":
                 return self._close(stack, ch, used)
+            if isinstance(aux, int) and self.first[aux] is not None and ch not in self.first[aux]:
+                return None
             return self._value(stack, ch, used)
         if mode == "after":
             if ch == ",":
@@ -160,7 +181,7 @@ class JsonObject:
         trie = self.trie
         if ch == '"':
             key = trie.key[node]
-            return ("colon", stack, "", 0, used | 1 << key) if key >= 0 and not used >> key & 1 else None
+            return ("colon", stack, key, 0, used | 1 << key) if key >= 0 and not used >> key & 1 else None
         child = trie.children[node].get(ch)
         return ("rkey", stack, child, 0, used) if child is not None and trie.below[child] & ~used else None
 
@@ -208,9 +229,13 @@ class JsonObject:
 
     @classmethod
     def for_schema(cls, schema: dict | None) -> JsonObject:
-        """The object a JSON Schema describes, as far as its top-level keys go (any object when it names none)."""
+        """The object a JSON Schema describes, as far as its top-level keys and their values' types go (any object
+        when it names none)."""
         keys = object_keys(schema)
-        return cls() if keys is None else cls(*keys)
+        if keys is None:
+            return cls()
+        properties = schema["properties"]
+        return cls(*keys, {k: v.get("type") for k, v in properties.items() if isinstance(v, dict)})
 
 
 class Alternatives:

@@ -1,7 +1,8 @@
 """What the grammar reads from a JSON Schema, and the limits that bound what a schema costs.
 
 The grammar restricts only an object's top-level keys (`properties`, each once) and closes the object once the
-`required` ones are there; values are any JSON. A schema that breaks the limits, or whose `properties` or
+`required` ones are there; a top-level value starts as its property's `type` says (a "string" gets a string),
+and is otherwise any JSON. A schema that breaks the limits, or whose `properties` or
 `required` have the wrong type, raises InvalidRequestError naming what is wrong."""
 from __future__ import annotations
 

@@ -184,3 +184,15 @@ def test_smollm2_greedy_json_mode_gives_an_object(smollm2_path):
     *_, last = llm.stream(prompt, SamplingParams(max_tokens=120), processor)
     done = last.completion
     assert done.finish_reason == "stop" and isinstance(json.loads(done.text), dict), done.text
+
+
+def test_a_typed_property_starts_its_value_as_its_type_does():
+    """A forced tool call's "city": {"type": "string"} must get a string; an untyped or unknown one any value."""
+    grammar = JsonObject.for_schema({"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "exact": {"type": ["boolean", "null"]},
+        "any": {}, "odd": {"type": "tuple"}}})
+    assert accepts(grammar, '{"city": "Oslo", "days": -3, "exact": null, "any": {"x": [1]}, "odd": [2]}')
+    assert accepts(grammar, '{"exact": true}')
+    for text in ('{"city": {', '{"city": 1', '{"days": "3"', '{"days": [', '{"exact": 0'):
+        assert walk(grammar, text) is None, text
+    assert walk(grammar, '{"city": "x", "x": [') is None  # unknown keys stay refused
