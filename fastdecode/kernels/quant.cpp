@@ -218,6 +218,44 @@ void f32_rows(const float* buf, int64_t K, const float* x, int64_t N, int64_t t,
     for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = hsum(acc[r][m]);
 }
 
+// MR rows against two dequantized tiles (8 weight rows) at once: each activation load feeds 8 FMAs instead of 4,
+// which is what bounds a prefill's float matmul (the activations stream from L2 for every tile). 8 x 3 accumulators
+// need AVX-512's 32 registers. The same FMA chains as f32_rows, bit for bit.
+template <int MR>
+void f32_rows8(const float* b0, const float* b1, int64_t K, const float* x, int64_t N, int64_t t, float* y) {
+  vecf acc[8][MR];
+  for (int r = 0; r < 8; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = vzero();
+  for (int64_t k = 0; k < K; k += VW, b0 += 4 * VW, b1 += 4 * VW) {
+    vecf xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = vload(x + m * K + k);
+    for (int r = 0; r < 4; ++r) {
+      const vecf w = vload(b0 + VW * r);
+      for (int m = 0; m < MR; ++m) acc[r][m] = vfma(w, xv[m], acc[r][m]);
+    }
+    for (int r = 0; r < 4; ++r) {
+      const vecf w = vload(b1 + VW * r);
+      for (int m = 0; m < MR; ++m) acc[4 + r][m] = vfma(w, xv[m], acc[4 + r][m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < 8; ++r) y[m * N + 4 * t + r] = hsum(acc[r][m]);
+}
+
+// All M rows (6 or more) against tiles t and t + 1, dequantized into buf (8 K floats).
+template <bool OFFSET>
+void q8f_tile_pair(const uint8_t* wt, int64_t tile_bytes, int64_t K, const float* X, int64_t M, int64_t N, int64_t t,
+                   float* Y, float* buf) {
+  dequantize_tile<OFFSET>(wt, K, buf);
+  dequantize_tile<OFFSET>(wt + tile_bytes, K, buf + 4 * K);
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) f32_rows8<3>(buf, buf + 4 * K, K, X + m * K, N, t, Y + m * N);
+  for (int h = 0; h < 2; ++h) {
+    if (M - m == 2) f32_rows<2>(buf + 4 * K * h, K, X + m * K, N, t + h, Y + m * N);
+    if (M - m == 1) f32_rows<1>(buf + 4 * K * h, K, X + m * K, N, t + h, Y + m * N);
+  }
+}
+
 // All M rows against tile t, in calls of up to 3 rows (4 x 3 accumulators fill the registers). From 6 rows on the
 // tile is dequantized once into buf (4 K floats) instead of once per call (below that, measured no faster).
 template <bool OFFSET>
@@ -270,16 +308,26 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const int64_t tile_bytes = w.size(2);
   const bool offset = tile_bytes == 144;
   float* Y = y.data_ptr<float>();
-  at::parallel_for(0, N / 4, std::max<int64_t>(1, (64 << 10) / (4 * K)), [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf(M >= 6 ? 4 * K : 0);
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* wt = W + t * K / QK * tile_bytes;
-      if (t + 1 < t1) prefetch(wt + K / QK * tile_bytes, K / QK * tile_bytes);
-      if (offset) q8f_tile<true>(wt, K, X, M, N, t, Y, buf.data());
-      else q8f_tile<false>(wt, K, X, M, N, t, Y, buf.data());
+  // From 6 rows an AVX-512 build takes the tiles two at a time (f32_rows8); the tasks are pairs of tiles then.
+  const int64_t step = M >= 6 && VW == 16 ? 2 : 1, bytes = K / QK * tile_bytes;
+  at::parallel_for(0, (N / 4 + step - 1) / step, std::max<int64_t>(1, (64 << 10) / (4 * K * step)),
+                   [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(M >= 6 ? 4 * K * step : 0);
+    for (int64_t t = i0 * step; t < std::min(i1 * step, N / 4); t += step) {
+      const uint8_t* wt = W + t * bytes;
+      const int64_t tiles = std::min(step, N / 4 - t);
+      if (t + tiles < std::min(i1 * step, N / 4)) prefetch(wt + tiles * bytes, tiles * bytes);
+      if (tiles == 2) {
+        if (offset) q8f_tile_pair<true>(wt, bytes, K, X, M, N, t, Y, buf.data());
+        else q8f_tile_pair<false>(wt, bytes, K, X, M, N, t, Y, buf.data());
+      } else if (offset) {
+        q8f_tile<true>(wt, K, X, M, N, t, Y, buf.data());
+      } else {
+        q8f_tile<false>(wt, K, X, M, N, t, Y, buf.data());
+      }
       if (B)
         for (int64_t i = 0; i < M; ++i)
-          for (int r = 0; r < 4; ++r) Y[i * N + 4 * t + r] += B[4 * t + r];
+          for (int r = 0; r < 4 * tiles; ++r) Y[i * N + 4 * t + r] += B[4 * t + r];
     }
   });
   return y;
