@@ -1,7 +1,7 @@
 // The int4 and K-quant matmuls (q4_linear's and kq_linear's packed weights, quant.cpp and kquant.cpp) on AMX tiles,
-// for many activation rows at once: a prompt chunk, or a batch of decode and verify rows. Intel's AMX multiplies a 16 x 64-byte int8 tile by a 64 x 16 one into
-// 16 x 16 int32 in one instruction, about 8x the products a core makes with VNNI, so over many rows the float work
-// around it is what costs.
+// for many activation rows at once: a prompt chunk, or a batch of decode and verify rows. Intel's AMX multiplies a
+// 16 x 64-byte int8 tile by a 64 x 16 one into 16 x 16 int32 in one instruction, about 8x the products a core makes
+// with VNNI, so over many rows the float work around it is what costs.
 //
 // Bit for bit the arithmetic of the AVX2/VNNI kernels: per unit (a block of 32; Q6_K's sub-block of 16) an exact
 // integer sum, here one tdpbsud of an activation tile, signed, by a weight tile, unsigned, with K = the unit (Q6_K's
