@@ -95,6 +95,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
         return await answer(request, job, fmt, bool(body.stream))
 
     async def answer(request: Request, job: EngineRequest, fmt, stream: bool):
+        fmt.expose_speculation = config.expose_speculation_stats
         try:
             # Drafters remember earlier requests only within a tenant: the holders of the API key, or with no key
             # configured nobody (each request its own), so no user's text shapes another user's drafts.

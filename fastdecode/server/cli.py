@@ -23,16 +23,20 @@ from fastdecode.server.security import is_loopback
 @click.option("--request-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Seconds a request may take, queue wait included.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True)
+@click.option("--expose-speculation-stats", is_flag=True,
+              help="Report each response's drafted and accepted token counts (off: they hint at what drafters saw).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
-def serve(host, port, api_key, served_model_name, max_queue, request_timeout, max_body_bytes, log_level, **engine):
+def serve(host, port, api_key, served_model_name, max_queue, request_timeout, max_body_bytes,
+          expose_speculation_stats, log_level, **engine):
     """Serve MODEL over an OpenAI-compatible HTTP API (chat and text completions, tools, streaming)."""
     import uvicorn
 
     from fastdecode.server.app import create_app
 
     config = ServerConfig(host=host, port=port, api_key=api_key or None, served_model_name=served_model_name,
-                          max_queue=max_queue, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes)
+                          max_queue=max_queue, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
+                          expose_speculation_stats=expose_speculation_stats)
     if not is_loopback(host) and not config.api_key:
         err.print(f"[yellow]warning: serving on {host} without an API key: anyone who reaches the port can use "
                   "the model[/yellow]")

@@ -14,4 +14,7 @@ class ServerConfig:
     request_timeout_s: float = 600.0  # queue wait plus generation; past it the reply ends with finish_reason length
     max_body_bytes: int = 8 * 2**20  # a 128k-token conversation is about 0.5 MB of JSON
     disconnect_poll_s: float = 0.25  # how often a request that has no bytes out yet checks its client is there
+    # Each response's drafted and accepted counts (in its `fastdecode` figures): off by default, since how well a
+    # drafter guesses says something about what it has seen. Drafters' memory is per tenant either way.
+    expose_speculation_stats: bool = False
     keepalive_s: float = 5.0  # a stream started before its first token (Messages, Responses) sends an event this often

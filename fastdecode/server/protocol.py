@@ -38,15 +38,16 @@ def cached_tokens(completion) -> int:
     return completion.timings.cached_tokens if completion is not None else 0
 
 
-def speed(queue_s: float, completion, end: str | None) -> dict:
-    """Our figures for one request: TTFT and output tok/s as the engine measured them, and speculation's yield."""
+def speed(queue_s: float, completion, end: str | None, speculation: bool = False) -> dict:
+    """Our figures for one request: TTFT and output tok/s as the engine measured them, and, when `speculation`
+    (`serve --expose-speculation-stats`), speculation's yield for this request."""
     out = {"queue_s": round(queue_s, 4)}
     if completion is not None:
         t = completion.timings
         out.update(ttft_s=round(t.ttft_s, 4), prefill_tok_s=round(t.prefill_tok_s, 1),
                    output_tok_s=round(t.output_tok_s, 2), prompt_tokens=t.prompt_tokens,
                    cached_tokens=t.cached_tokens, output_tokens=t.output_tokens)
-        if completion.speculation is not None:
+        if speculation and completion.speculation is not None:
             out["speculation"] = completion.speculation
             out["accepted_tokens"] = completion.speculation.get("accepted")
     if end == "timeout":
@@ -57,6 +58,7 @@ def speed(queue_s: float, completion, end: str | None) -> dict:
 class Formatter:
     """Shared state of one response: ids, token count, log-probabilities waiting for a chunk to ride on."""
     object_name = ""
+    expose_speculation = False  # the server's --expose-speculation-stats, set per response by the app
 
     def __init__(self, model: str, tokenizer, prompt_tokens: int, logprobs: bool, include_usage: bool,
                  reply: ReplyFormat | None = None):
@@ -132,7 +134,7 @@ class Formatter:
         return self.tokenizer.decode([token_id])
 
     def final_chunks(self, choice: dict, completion, end, queue_s: float) -> list[dict]:
-        figures = speed(queue_s, completion, end)
+        figures = speed(queue_s, completion, end, self.expose_speculation)
         if not self.include_usage:
             return [self.chunk([choice], fastdecode=figures)]
         return [self.chunk([choice]), {**self.chunk([]), "usage": usage(self.prompt_tokens, self.tokens, completion),
@@ -178,7 +180,7 @@ class ChatFormatter(Formatter):
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT, "choices": [choice],
                 "usage": usage(self.prompt_tokens, self.tokens, completion),
-                "fastdecode": speed(queue_s, completion, end)}
+                "fastdecode": speed(queue_s, completion, end, self.expose_speculation)}
 
     def finish_reason(self, completion, end: str | None) -> str:
         if self.tool_calls:
@@ -252,7 +254,7 @@ class TextFormatter(Formatter):
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT, "choices": [choice],
                 "usage": usage(self.prompt_tokens, self.tokens, completion),
-                "fastdecode": speed(queue_s, completion, end)}
+                "fastdecode": speed(queue_s, completion, end, self.expose_speculation)}
 
     def finish_reason(self, completion, end: str | None) -> str:
         return completion.finish_reason if completion is not None and end != "timeout" else "length"

@@ -90,9 +90,9 @@ def small_server(smollm2_path, tmp_path_factory):
 
 @pytest.fixture(scope="session", params=["ngram", "auto"])
 def spec_server(request, smollm2_path, tmp_path_factory):
-    """The main server's settings with a drafter."""
+    """The main server's settings with a drafter, reporting each response's speculation figures."""
     yield from started(smollm2_path, tmp_path_factory, "--speculate", request.param, "--api-key", API_KEY,
-                       "--max-seq-len", "2048")
+                       "--max-seq-len", "2048", "--expose-speculation-stats")
 
 
 @pytest.fixture()

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, started
 
 openai = pytest.importorskip("openai")
 
@@ -68,3 +68,18 @@ def test_text_completion_with_speculation_equals_without_and_reports_drafts(serv
     assert figures["speculation"]["drafter"] == spec_server.speculate
     assert figures["speculation"]["steps"] > 0
     assert figures["accepted_tokens"] == figures["speculation"]["accepted"]
+
+
+@pytest.fixture(scope="module")
+def quiet_spec_server(smollm2_path, tmp_path_factory):
+    """A drafter, and the server's default: no speculation figures in responses."""
+    yield from started(smollm2_path, tmp_path_factory, "--speculate", "ngram", "--api-key", API_KEY)
+
+
+def test_speculation_figures_are_reported_only_when_asked(quiet_spec_server):
+    """How well a drafter guesses hints at what it has seen, so responses say nothing of it by default
+    (`--expose-speculation-stats` turns it on, as the spec_server above does)."""
+    reply = openai_client(quiet_spec_server).completions.create(model=MODEL, prompt=CODE, max_tokens=24,
+                                                                temperature=0)
+    figures = reply.model_extra["fastdecode"]
+    assert figures["output_tokens"] == 24 and "speculation" not in figures and "accepted_tokens" not in figures

@@ -53,7 +53,7 @@ class MessagesFormatter(Formatter):
         out = self._blocks(self.last_reply_events()) + self._close()
         reason, sequence = self.stop_reason(completion, end)
         return out + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                       "usage": self.usage(completion), "fastdecode": speed(queue_s, completion, end)},
+                       "usage": self.usage(completion), "fastdecode": speed(queue_s, completion, end, self.expose_speculation)},
                       {"type": "message_stop"}]
 
     def response(self, completion, end: str | None, queue_s: float) -> dict:

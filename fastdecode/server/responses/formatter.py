@@ -57,7 +57,7 @@ class ResponsesFormatter(Formatter):
         self.settle(completion)
         out = self._output(self.last_reply_events()) + self._close()
         final = self.response_object(self.status(completion, end), completion)
-        final["fastdecode"] = speed(queue_s, completion, end)
+        final["fastdecode"] = speed(queue_s, completion, end, self.expose_speculation)
         return out + [self._event(f"response.{final['status']}", response=final)]
 
     def response(self, completion, end: str | None, queue_s: float) -> dict:
