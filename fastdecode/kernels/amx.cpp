@@ -14,8 +14,8 @@
 //
 // Per block of 32 outputs (two 16-row weight tiles) a thread unpacks the values of every unit of K once into AMX's
 // B layout (per 4 consecutive k, the 16 columns' 4 bytes side by side); then per 32 activation rows (two A tiles,
-// element order, straight from the quantized rows) each unit takes 4 tdpbsud, whose int32 results are scaled into
-// float accumulators in memory, one per class.
+// element order, straight from the quantized rows; a last block of 16 or fewer one tile) each unit takes 4 tdpbsud
+// (2), whose int32 results are scaled into float accumulators in memory, one per class.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -226,32 +226,35 @@ void tiles_linear(const uint8_t* W, int64_t tile_bytes, int64_t K, int64_t n_blo
         std::memset(acc, 0, sizeof(float) * CLASSES * ROWS * COLS);
         // Unit u's tile work is issued before unit u - 1's float work, into the other C buffer, so that the tile
         // unit and the vector units run side by side.
+        const bool two = M - m0 > 16;  // a last block of 16 rows or fewer takes one A tile
         const auto tiles_of = [&](int64_t u, int32_t* c) {
           const int8_t* a = x.xq.data() + m0 * K + UNIT * u;
           _tile_zero(0);
           _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
           _tile_loadd(4, a, K);
-          _tile_loadd(5, a + 16 * K, K);
           _tile_loadd(6, bbuf + 2 * u * B_BYTES, 64);
           _tile_loadd(7, bbuf + (2 * u + 1) * B_BYTES, 64);
           _tile_dpbsud(0, 4, 6);
           _tile_dpbsud(1, 4, 7);
-          _tile_dpbsud(2, 5, 6);
-          _tile_dpbsud(3, 5, 7);
           _tile_stored(0, c, 64);
           _tile_stored(1, c + 256, 64);
-          _tile_stored(2, c + 512, 64);
-          _tile_stored(3, c + 768, 64);
+          if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(5, a + 16 * K, K);
+            _tile_dpbsud(2, 5, 6);
+            _tile_dpbsud(3, 5, 7);
+            _tile_stored(2, c + 512, 64);
+            _tile_stored(3, c + 768, 64);
+          }
         };
-        // acc[class][row][col] += float(C) * (d_w * d_x), 16 rows of a C tile at a time, all 32 rows (the padding
-        // rows' d_x are 0).
+        // acc[class][row][col] += float(C) * (d_w * d_x), 16 rows of a C tile at a time, all 16 or 32 rows (the
+        // padding rows' d_x are 0).
         const auto scale_into = [&](int64_t u, const int32_t* cb) {
           float* a = acc + (u % CLASSES) * ROWS * COLS;
           const float* dx = x.xd.data() + u * UNIT / 32 * Mp + m0;
           const int32_t* xo = T::MINS ? nullptr : x.xo.data() + u * Mp + m0;
-          for (int i = 0; i < 2; ++i)
+          for (int i = 0; i < 1 + two; ++i)
             for (int j = 0; j < 2; ++j) {
               const __m512 wv = _mm512_loadu_ps(s.dw.data() + u * COLS + 16 * j);
               const int32_t* c = cb + (2 * i + j) * 256;
