@@ -114,13 +114,7 @@ class Leader:
                 header = self._header(Op.STOP)
             except Exception:  # noqa: BLE001 - a dead follower: nothing left to stop
                 return
-            # gloo's worker thread lets go of a broadcast's tensor only after the broadcast has returned, and letting
-            # go takes the GIL; when the interpreter is exiting by then, Python ends that thread inside C++ and the
-            # process aborts ("terminate called without an active exception", about one run in five). So wait
-            # until the worker holds no reference to this last tensor.
-            deadline = time.monotonic() + 1.0
-            while header._use_count() > 1 and time.monotonic() < deadline:
-                time.sleep(0.001)
+            released(header)
 
     @contextmanager
     def failures(self):
@@ -156,6 +150,16 @@ class Leader:
         dist.broadcast(payload, 0, group=self.group.pg)
 
 
+def released(tensor: torch.Tensor, timeout_s: float = 1.0):
+    """Waits until gloo's worker thread holds no reference to the last tensor broadcast. The worker lets go of a
+    broadcast's tensor only after the broadcast has returned, and letting go takes the GIL; when the interpreter is
+    exiting by then, Python ends that thread inside C++ and the process aborts ("terminate called without an active
+    exception": rank 0 about one run in five before its STOP waited; a follower, rarely, on its last header)."""
+    deadline = time.monotonic() + timeout_s
+    while tensor._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 @torch.inference_mode()
 def follow(model, group: Group, dtype: torch.dtype):
     """A follower's whole life: run each command rank 0 broadcasts, until STOP. A collective that fails (a rank
@@ -165,6 +169,7 @@ def follow(model, group: Group, dtype: torch.dtype):
         dist.broadcast(header, 0, group=group.pg)
         op, start, B, T, all_logits, layers, has_pos, has_mask, n = header.tolist()
         if op == Op.STOP:
+            released(header)  # the process may exit next
             return
         if op == Op.PING:
             continue
