@@ -337,7 +337,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
 // takes all of them, tiles spread over the threads; over AMX_MIN_ROWS rows or more, on a CPU with AMX, the AMX
 // tiles take the blocks of 32 output rows instead (the same results, amx.cpp).
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  const int64_t N = w.size(0) * 4, K = w.size(1) * 2 * QK, blocks = K / QK, pairs = K / 64;
+  const int64_t N = w.size(0) * 4, K = w.size(1) * 2 * QK, pairs = K / 64;
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 160, "bad q4 weight");
   const at::Tensor x2d = as_rows(x, K);
   const float* B = bias_of(bias, N);
