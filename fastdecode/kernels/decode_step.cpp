@@ -36,13 +36,13 @@ enum Slot {
 
 inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
-// A float weight (N, K), or a packed quantized one, told apart by its tile size: 8-bit (N/4, K/32, 144 or 136) or int4
-// (N/4, K/64, 160) (quant.cpp), a GGUF K-quant (N/4, K/256, 592 | 720 | 840) (kquant.cpp).
+// A float weight (N, K), or a packed quantized one, told apart by its tile size: 8-bit (N/4, K/32, 144 or N/4, K/64,
+// 272) or int4 (N/4, K/64, 160) (quant.cpp), a GGUF K-quant (N/4, K/256, 592 | 720 | 840) (kquant.cpp).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   c10::optional<at::Tensor> bias = present(b) ? c10::optional<at::Tensor>(b) : c10::nullopt;
   if (w.scalar_type() != at::kByte) return at::linear(x, w, bias);
   switch (w.size(2)) {
-    case 136: case 144: return fastdecode::q8_linear(x, w, bias);
+    case 144: case 272: return fastdecode::q8_linear(x, w, bias);
     case 160: return fastdecode::q4_linear(x, w, bias);
     default: return fastdecode::kq_linear(x, w, bias);
   }
@@ -376,21 +376,30 @@ template <int NV, typename KV, typename Emit>
 void attend_chunks(const std::vector<const float*>& q, const std::vector<const Visible*>& seen, const KV* k,
                    const KV* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale, int64_t c0,
                    int64_t c1, Emit emit) {
-  constexpr int NV2 = NV < 4 ? NV : 4;  // two queries' accumulators in registers
+  // Up to MAXQ queries that see the same keys (a KV group's heads of one token) share each key and value read; their
+  // accumulators take MAXQ x NVQ registers (AVX-512 has 32, AVX2 16).
+  constexpr int MAXQ = VW == 16 ? 4 : 2, NVQ = NV < 4 ? NV : 4;
   const int64_t n = q.size();
-  std::vector<float> scratch(2 * (KEY_CHUNK + 8) + 2 * hd);
-  float* p[2] = {scratch.data(), scratch.data() + KEY_CHUNK + 8};
-  Partial part[2] = {{0, 0, p[1] + KEY_CHUNK + 8}, {0, 0, p[1] + KEY_CHUNK + 8 + hd}};
+  std::vector<float> scratch(MAXQ * (KEY_CHUNK + 8 + hd));
+  float* p[MAXQ];
+  Partial part[MAXQ];
+  for (int r = 0; r < MAXQ; ++r) {
+    p[r] = scratch.data() + r * (KEY_CHUNK + 8);
+    part[r] = {0, 0, scratch.data() + MAXQ * (KEY_CHUNK + 8) + r * hd};
+  }
   for (int64_t c = c0; c < c1; ++c)
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + 1 < n && same_keys(*seen[i], *seen[i + 1], c)) {
-        chunk_part<2, NV2>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part);
-        if (part[0].l > 0) emit(i, c, part[0]), emit(i + 1, c, part[1]);
-        ++i;
-      } else {
-        chunk_part<1, NV>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part);
-        if (part[0].l > 0) emit(i, c, part[0]);
+    for (int64_t i = 0; i < n;) {
+      int run = 1;
+      while (run < MAXQ && i + run < n && same_keys(*seen[i], *seen[i + run], c)) ++run;
+      switch (run) {
+        case 4: if constexpr (MAXQ >= 4) chunk_part<4, NVQ>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part); break;
+        case 3: if constexpr (MAXQ >= 3) chunk_part<3, NVQ>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part); break;
+        case 2: chunk_part<2, NVQ>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part); break;
+        default: chunk_part<1, NV>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part);
       }
+      for (int r = 0; r < run; ++r)
+        if (part[r].l > 0) emit(i + r, c, part[r]);
+      i += run;
     }
 }
 
