@@ -14,8 +14,8 @@ every round and the table shows the median over rounds. GB/s counts the bytes of
 Kernels: fp32 / bf16 F.linear; int8pack_mm (aten, per-channel int8, float activations); int8_dyn_fbgemm (quantized
 linear_dynamic: per-channel int8, activations quantized per tensor); int8_int_mm (torch._int_mm plus aten ops that
 quantize each activation row); int4pack_gG (aten _weight_int4pack_mm_for_cpu, groups of G); native_int8 (ours:
-int8 with fp16 scales per 32-block, like Q8_0) and native_int4_g32 (ours: like Q4_1), both with activations
-quantized to int8 per 32-block. aten's _dyn_quant_matmul_4bit is left out: without KleidiAI (x86) it runs a
+weight-only int8 with fp16 scales and offsets per 32-block, float activations), native_q8_0 (ours: a GGUF Q8_0
+tensor's pair tiles) and native_int4_g32 (ours: like Q4_1), both with activations quantized to int8 per 32-block. aten's _dyn_quant_matmul_4bit is left out: without KleidiAI (x86) it runs a
 scalar reference kernel, ~15 ms for one 3072x576 matmul.
 """
 import argparse
@@ -93,6 +93,15 @@ def module(cls, **kw):
     return make
 
 
+def q8_0(w):
+    """w as a GGUF's Q8_0 tensor loads (int8 values, fp16 scale per 32, no offsets): the pair tiles, int8 activations."""
+    g = w.reshape(w.shape[0], -1, 32)
+    d = (g.abs().amax(-1) / 127).half()
+    q = (g / d.float().clamp(min=1e-12)[..., None]).round().clamp(-127, 127).to(torch.int8)
+    m = int8.Int8Linear.from_tensors({"qweight": q, "scales": d}, None, "native")
+    return m, m.weight_bytes()
+
+
 def baseline_op(cls, ops, **kw):
     """The module's packed weights through another build's op (see --baseline)."""
     def make(w):
@@ -108,6 +117,7 @@ def candidates(baseline: str = ""):
         c[f"int4pack_g{g}"] = int4pack(g)
     if int8.native_fits(4, 32):  # our AVX2 kernels, through the modules quantize_model installs
         c["native_int8"] = module(int8.Int8Linear, backend="native")
+        c["native_q8_0"] = q8_0
         c["native_int4_g32"] = module(int4.Int4Linear, backend="native", group_size=32)
         if baseline:
             ops = native_kernels_at(baseline)

@@ -18,7 +18,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
                          int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W 8-bit packed (N/4, K/32, 144 or 136) with fp16 block scales (and offsets)");
+  m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W 8-bit packed (N/4, K/32, 144) with fp16 block scales and offsets, or Q8_0 pair tiles (N/4, K/64, 272)");
   m.def("q4_linear", &fastdecode::q4_linear,
         "y = x @ W.T + bias, W 4-bit packed (N/4, K/64, 160) with fp16 scales and mins");
   m.def("amx_int8_ready", &fastdecode::amx_int8_ready,

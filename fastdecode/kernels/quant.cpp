@@ -1,17 +1,21 @@
 // Quantized matmuls for x86 with AVX2 (+FMA, F16C); the AVX-512 build (jit.py) sums int8 products with VNNI's vpdpbusd
-// (the same integers) and runs the float FMAs on 16-float vectors (its own summation order). q8_linear is weight-only:
-// float activations times int8 weights dequantized in registers. q4_linear works as llama.cpp's Q4_1 dot product: each
-// activation row is quantized to int8 in blocks of 32 (scale d = amax / 127), and the u4 x int8 products are summed
-// with vpmaddubsw / vpmaddwd, then scaled per block in float. Several activation rows (a verify step, a prefill) share
-// each weight tile: int4 unpacks a weight row's nibbles once for up to 8 rows, int8 dequantizes a tile once for 6 rows
-// or more. Either way each output is the same arithmetic whatever the number of rows, so a verify step reproduces the
-// decode steps it replaces bit for bit.
+// (the same integers) and runs the float FMAs on 16-float vectors (its own summation order). Two ways of computing:
+// - Weight-only (q8_linear's 144-byte tiles: --quant int8): float activations times 8-bit weights dequantized in
+//   registers, for the encodings whose values int8 activations would round a second time for little gain.
+// - Integer (int4, and q8_linear's pair tiles: a GGUF's Q8_0 and Q5_0 tensors), as llama.cpp's dot products: each
+//   activation row is quantized to int8 in blocks of 32 (scale d = amax / 127), the weight x activation products are
+//   summed exactly per block (vpmaddubsw / vpmaddwd, or vpdpbusd), then scaled per block in float.
+// Several activation rows (a verify step, a prefill) share each weight tile: int4 unpacks a weight row's nibbles once
+// for up to 8 rows, the weight-only kernel dequantizes a tile once for 6 rows or more. Either way each output is the
+// same arithmetic whatever the number of rows, so a verify step reproduces the decode steps it replaces bit for bit.
 //
 // Weights are stored tile-major, in the order the kernel reads them, so that each thread reads one sequential
 // stream (the hardware prefetcher's best case):
-// q8_linear: W 8-bit in blocks of 32 along K, packed as (N/4, K/32, 144) bytes: for each tile of 4 rows and block,
-//   the 4 rows' fp16 scales d, their fp16 offsets m, then each row's 32 values q in 0..255, w = d * q + m; or, where
-//   every block is symmetric (Q8_0: m = -128 d), without the offsets as (N/4, K/32, 136) bytes of int8 q, w = d * q.
+// q8_linear, weight-only: W 8-bit in blocks of 32 along K, packed as (N/4, K/32, 144) bytes: for each tile of 4 rows
+//   and block, the 4 rows' fp16 scales d, their fp16 offsets m, then each row's 32 values q in 0..255, w = d * q + m.
+// q8_linear, integer: a symmetric W (w = d * q, q int8: Q8_0) with K a multiple of 64, packed as (N/4, K/64, 272)
+//   bytes: for each tile of 4 rows and pair of blocks, 8 fp16 scales d in (row, block) order, then each row's 64
+//   int8 q: elements 0..15 of block b, of b+1, then 16..31 of b, of b+1 (the activations' layout).
 // q4_linear: W 4-bit in blocks of 32 along K, w = d * q + m with q in 0..15 (asymmetric, like Q4_1), packed as
 //   (N/4, K/64, 160) bytes: for each tile of 4 rows and pair of blocks, 8 fp16 scales d and 8 fp16 mins m in
 //   (row, block) order, then each row's 32 bytes; byte j of a block holds q[j] | q[j + 16] << 4.
@@ -22,6 +26,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -31,9 +36,12 @@
 namespace {
 
 constexpr int64_t QK = 32;
+constexpr int64_t Q8F_BLOCK = 16 + 4 * QK;  // a weight-only tile's bytes per block: d and m of 4 rows, their values
+constexpr int64_t Q8_PAIR = 16 + 8 * QK;   // a pair tile's bytes per pair of blocks: 8 d, 4 rows x 64 values
 
 using fastdecode::hsum;
 using fastdecode::block_sums;
+using fastdecode::u8_pair_dot;
 using fastdecode::pair_dot;
 using fastdecode::prefetch;
 using fastdecode::quantize_rows_grouped;
@@ -41,7 +49,6 @@ using fastdecode::row_scales;
 using fastdecode::vecf;
 using fastdecode::vfma;
 using fastdecode::vload;
-using fastdecode::vmul;
 using fastdecode::vset1;
 using fastdecode::vstore;
 using fastdecode::VW;
@@ -149,37 +156,35 @@ void q4_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, con
   if (M - m == 1) q4_pass<1>(w, K, xq + m * K, xs + m * row_xs, N, t, y + m * N);
 }
 
-// VW weights of one row: d * q + m (one FMA; q * d is exact in float, 8 + 11 significant bits), or d * q for int8 q.
-template <bool OFFSET>
+// VW weights of one row: d * q + m (one FMA; q * d is exact in float, 8 + 11 significant bits).
 inline vecf dequantize(const uint8_t* q, float d, float m) {
 #ifdef __AVX512F__
   const __m128i raw = _mm_loadu_si128((const __m128i*)q);
-  const vecf v = _mm512_cvtepi32_ps(OFFSET ? _mm512_cvtepu8_epi32(raw) : _mm512_cvtepi8_epi32(raw));
+  const vecf v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw));
 #else
   const __m128i raw = _mm_loadl_epi64((const __m128i*)q);
-  const vecf v = _mm256_cvtepi32_ps(OFFSET ? _mm256_cvtepu8_epi32(raw) : _mm256_cvtepi8_epi32(raw));
+  const vecf v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw));
 #endif
-  return OFFSET ? vfma(v, vset1(d), vset1(m)) : vmul(v, vset1(d));
+  return vfma(v, vset1(d), vset1(m));
 }
 
 // MR activation rows (float) against one tile of 4 8-bit weight rows -> y[m][4 t + r]. Each block's weights are
 // dequantized to float once (one FMA: q * d is exact in float, 8 + 11 significant bits) and serve every row; each
 // output is one FMA chain over K, whatever MR, so a row's result does not depend on how many rows share the call.
-template <int MR, bool OFFSET>
+template <int MR>
 void q8f_rows(const uint8_t* w, int64_t K, const float* x, int64_t N, int64_t t, float* y) {
-  constexpr int64_t head = OFFSET ? 16 : 8;  // scales (and offsets) before the values
   vecf acc[4][MR];
   for (int r = 0; r < 4; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = vzero();
-  for (int64_t b = 0; b < K / QK; ++b, w += head + 4 * QK) {
-    alignas(16) float d[4], mn[4] = {};
+  for (int64_t b = 0; b < K / QK; ++b, w += Q8F_BLOCK) {
+    alignas(16) float d[4], mn[4];
     _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)w)));
-    if (OFFSET) _mm_store_ps(mn, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(w + 8))));
+    _mm_store_ps(mn, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(w + 8))));
     for (int c = 0; c < QK; c += VW) {
       vecf xv[MR];
       for (int m = 0; m < MR; ++m) xv[m] = vload(x + m * K + b * QK + c);
       for (int r = 0; r < 4; ++r) {
-        const vecf wf = dequantize<OFFSET>(w + head + r * QK + c, d[r], mn[r]);
+        const vecf wf = dequantize(w + 16 + r * QK + c, d[r], mn[r]);
         for (int m = 0; m < MR; ++m) acc[r][m] = vfma(wf, xv[m], acc[r][m]);
       }
     }
@@ -190,15 +195,13 @@ void q8f_rows(const uint8_t* w, int64_t K, const float* x, int64_t N, int64_t t,
 
 // The tile's weights dequantized to float exactly as q8f_rows does in registers -> buf (K / VW, 4, VW): per VW
 // columns, the 4 rows' VW values, in the order f32_rows reads them.
-template <bool OFFSET>
 void dequantize_tile(const uint8_t* w, int64_t K, float* buf) {
-  constexpr int64_t head = OFFSET ? 16 : 8;
-  for (int64_t b = 0; b < K / QK; ++b, w += head + 4 * QK) {
-    alignas(16) float d[4], mn[4] = {};
+  for (int64_t b = 0; b < K / QK; ++b, w += Q8F_BLOCK) {
+    alignas(16) float d[4], mn[4];
     _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)w)));
-    if (OFFSET) _mm_store_ps(mn, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(w + 8))));
+    _mm_store_ps(mn, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(w + 8))));
     for (int c = 0; c < QK; c += VW, buf += 4 * VW)
-      for (int r = 0; r < 4; ++r) vstore(buf + VW * r, dequantize<OFFSET>(w + head + r * QK + c, d[r], mn[r]));
+      for (int r = 0; r < 4; ++r) vstore(buf + VW * r, dequantize(w + 16 + r * QK + c, d[r], mn[r]));
   }
 }
 
@@ -243,11 +246,10 @@ void f32_rows8(const float* b0, const float* b1, int64_t K, const float* x, int6
 }
 
 // All M rows (6 or more) against tiles t and t + 1, dequantized into buf (8 K floats).
-template <bool OFFSET>
 void q8f_tile_pair(const uint8_t* wt, int64_t tile_bytes, int64_t K, const float* X, int64_t M, int64_t N, int64_t t,
                    float* Y, float* buf) {
-  dequantize_tile<OFFSET>(wt, K, buf);
-  dequantize_tile<OFFSET>(wt + tile_bytes, K, buf + 4 * K);
+  dequantize_tile(wt, K, buf);
+  dequantize_tile(wt + tile_bytes, K, buf + 4 * K);
   int64_t m = 0;
   for (; m + 3 <= M; m += 3) f32_rows8<3>(buf, buf + 4 * K, K, X + m * K, N, t, Y + m * N);
   for (int h = 0; h < 2; ++h) {
@@ -258,19 +260,72 @@ void q8f_tile_pair(const uint8_t* wt, int64_t tile_bytes, int64_t K, const float
 
 // All M rows against tile t, in calls of up to 3 rows (4 x 3 accumulators fill the registers). From 6 rows on the
 // tile is dequantized once into buf (4 K floats) instead of once per call (below that, measured no faster).
-template <bool OFFSET>
 void q8f_tile(const uint8_t* wt, int64_t K, const float* X, int64_t M, int64_t N, int64_t t, float* Y, float* buf) {
   int64_t m = 0;
   if (M >= 6) {
-    dequantize_tile<OFFSET>(wt, K, buf);
+    dequantize_tile(wt, K, buf);
     for (; m + 3 <= M; m += 3) f32_rows<3>(buf, K, X + m * K, N, t, Y + m * N);
     if (M - m == 2) f32_rows<2>(buf, K, X + m * K, N, t, Y + m * N);
     if (M - m == 1) f32_rows<1>(buf, K, X + m * K, N, t, Y + m * N);
     return;
   }
-  for (; m + 3 <= M; m += 3) q8f_rows<3, OFFSET>(wt, K, X + m * K, N, t, Y + m * N);
-  if (M - m == 2) q8f_rows<2, OFFSET>(wt, K, X + m * K, N, t, Y + m * N);
-  if (M - m == 1) q8f_rows<1, OFFSET>(wt, K, X + m * K, N, t, Y + m * N);
+  for (; m + 3 <= M; m += 3) q8f_rows<3>(wt, K, X + m * K, N, t, Y + m * N);
+  if (M - m == 2) q8f_rows<2>(wt, K, X + m * K, N, t, Y + m * N);
+  if (M - m == 1) q8f_rows<1>(wt, K, X + m * K, N, t, Y + m * N);
+}
+
+// The Q8_0 arithmetic (pair tiles), for every output, whatever kernel computes it (this one or amx.cpp's tiles): each
+// block b of 32 gives the exact integer s_b = sum q_w q_x (computed as sum u q_x with u = q_w + 128, the unsigned
+// operand vpdpbusd and tdpbsud take, less 128 sum q_x);
+// E = the FMA chain over the even blocks, in order, of float(s_b) * (d_w * d_x), O the same over the odd ones;
+// y = E + O.
+
+// MR activation rows against one pair tile of 4 weight rows, all 4 in one pass over K. Accumulator lanes
+// (parity, weight row), as block_sums gives them. xc: the rows' 128 sum(q_x) per pair (quantize_rows).
+template <int MR>
+void q8_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, const int32_t* xc, int64_t N, int64_t t,
+             float* y) {
+  const int64_t pairs = K / 64;
+  const __m256i by_block = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // (row, parity) -> (parity, row) lanes
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p, w += Q8_PAIR) {
+    const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)), by_block);
+    const auto row_dot = [&](int r, const int8_t* x) {
+      const uint8_t* q = w + 16 + 64 * r;
+      const __m256i sign = _mm256_set1_epi8(-128);  // q ^ 0x80 = q + 128
+      return u8_pair_dot(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)q), sign),
+                         _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + 32)), sign), x);
+    };
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* x = xq + m * K + 64 * p;
+      const __m256i sums = _mm256_sub_epi32(block_sums(row_dot(0, x), row_dot(1, x), row_dot(2, x), row_dot(3, x)),
+                                            _mm256_loadu_si256((const __m256i*)(xc + (m * pairs + p) * 8)));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_loadu_ps(xs + (m * pairs + p) * 16)),
+                               acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float a[8];
+    _mm256_store_ps(a, acc[m]);
+    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = a[r] + a[r + 4];
+  }
+}
+
+// All M rows against pair tile t, up to 4 rows a pass (AVX2's 16 registers: 2), the tile's 4 rows read once a pass.
+void q8_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, const int32_t* xc, int64_t M, int64_t N,
+             int64_t t, float* y) {
+  constexpr int64_t MR = VW == 16 ? 4 : 2;
+  const int64_t pairs = K / 64;
+  int64_t m = 0;
+  const auto pass = [&](auto rows) {
+    q8_pass<decltype(rows)::value>(w, K, xq + m * K, xs + m * pairs * 16, xc + m * pairs * 8, N, t, y + m * N);
+    m += decltype(rows)::value;
+  };
+  while (M - m >= MR) pass(std::integral_constant<int, MR>{});
+  if (M - m == 3) pass(std::integral_constant<int, 3>{});
+  if (M - m == 2) pass(std::integral_constant<int, 2>{});
+  if (M - m == 1) pass(std::integral_constant<int, 1>{});
 }
 
 }  // namespace
@@ -291,11 +346,39 @@ const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N) {
   return bias->data_ptr<float>();
 }
 
-// w (N/4, K/32, 144 or 136) uint8. Weight-only: the activations stay float (int8 activations cost about 2% top-1
-// agreement with the float model, see docs/quantization.md), which costs little where weights dominate the time.
+// Q8_0's pair tiles (N/4, K/64, 272): the rows of x quantized to int8 per block of 32, then every tile takes all of
+// them, tiles spread over the threads; over AMX_MIN_ROWS rows or more, on a CPU with AMX, the AMX tiles take the
+// blocks of 32 output rows instead (the same results, amx.cpp).
+void q8_pairs(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N, const float* B, float* Y) {
+  const int64_t pairs = K / 64, tile_bytes = pairs * Q8_PAIR;
+  const int64_t amx_cols = M >= fastdecode::AMX_MIN_ROWS && fastdecode::amx_int8_ready() ? N / 32 * 32 : 0;
+  if (amx_cols > 0) {
+    fastdecode::amx_linear(fastdecode::AmxFormat::Q8, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
+    if (amx_cols == N) return;
+  }
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * pairs * 16);
+  std::vector<int32_t> xc(M * pairs * 8);
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      fastdecode::quantize_rows(X + m * K, K / 32, xq.data() + m * K, xs.data() + m * pairs * 16,
+                                xc.data() + m * pairs * 8);
+  });
+  at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);
+      q8_tile(W + t * tile_bytes, K, xq.data(), xs.data(), xc.data(), M, N, t, Y);
+      if (B)
+        for (int64_t m = 0; m < M; ++m)
+          for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] += B[4 * t + r];
+    }
+  });
+}
+
+// w (N/4, K/32, 144) uint8, weight-only (the activations stay float), or Q8_0's pair tiles (N/4, K/64, 272).
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  const int64_t N = w.size(0) * 4, K = w.size(1) * QK;
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && (w.size(2) == 144 || w.size(2) == 136),
+  const int64_t tile_bytes = w.size(2), N = w.size(0) * 4, K = w.size(1) * (tile_bytes == Q8_PAIR ? 64 : QK);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && (tile_bytes == Q8F_BLOCK || tile_bytes == Q8_PAIR),
               "bad q8 weight");
   const at::Tensor x2d = as_rows(x, K);
   const float* B = bias_of(bias, N);
@@ -305,9 +388,11 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   at::Tensor y = at::empty(shape, x2d.options());
   const uint8_t* W = w.data_ptr<uint8_t>();
   const float* X = x2d.data_ptr<float>();
-  const int64_t tile_bytes = w.size(2);
-  const bool offset = tile_bytes == 144;
   float* Y = y.data_ptr<float>();
+  if (tile_bytes == Q8_PAIR) {
+    q8_pairs(X, M, K, W, N, B, Y);
+    return y;
+  }
   // From 6 rows an AVX-512 build takes the tiles two at a time (f32_rows8); the tasks are pairs of tiles then.
   const int64_t step = M >= 6 && VW == 16 ? 2 : 1, bytes = K / QK * tile_bytes;
   at::parallel_for(0, (N / 4 + step - 1) / step, std::max<int64_t>(1, (64 << 10) / (4 * K * step)),
@@ -317,14 +402,8 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
       const uint8_t* wt = W + t * bytes;
       const int64_t tiles = std::min(step, N / 4 - t);
       if (t + tiles < std::min(i1 * step, N / 4)) prefetch(wt + tiles * bytes, tiles * bytes);
-      if (tiles == 2) {
-        if (offset) q8f_tile_pair<true>(wt, bytes, K, X, M, N, t, Y, buf.data());
-        else q8f_tile_pair<false>(wt, bytes, K, X, M, N, t, Y, buf.data());
-      } else if (offset) {
-        q8f_tile<true>(wt, K, X, M, N, t, Y, buf.data());
-      } else {
-        q8f_tile<false>(wt, K, X, M, N, t, Y, buf.data());
-      }
+      if (tiles == 2) q8f_tile_pair(wt, bytes, K, X, M, N, t, Y, buf.data());
+      else q8f_tile(wt, K, X, M, N, t, Y, buf.data());
       if (B)
         for (int64_t i = 0; i < M; ++i)
           for (int r = 0; r < 4 * tiles; ++r) Y[i * N + 4 * t + r] += B[4 * t + r];

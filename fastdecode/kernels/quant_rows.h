@@ -12,9 +12,9 @@
 
 namespace fastdecode {
 
-// 32 floats -> their int8 values in element order (round to nearest even of x / d, d = amax / 127); d, and
-// sx = d * sum(q), the factor a weight block's min or offset multiplies.
-inline __m256i quantize_block(const float* x, float& d, float& sx) {
+// 32 floats -> their int8 values in element order (round to nearest even of x / d, d = amax / 127); d,
+// sx = d * sum(q), the factor a weight block's min or offset multiplies, and sum(q) itself.
+inline __m256i quantize_block(const float* x, float& d, float& sx, int32_t& qsum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4], amax = _mm256_setzero_ps();
   for (int j = 0; j < 4; ++j) {
@@ -28,6 +28,9 @@ inline __m256i quantize_block(const float* x, float& d, float& sx) {
   __m256i q[4];
   for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // round to nearest even
   const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+  qsum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
   sx = d * hsum(_mm256_cvtepi32_ps(sum));
   // packs interleave 128-bit lanes; the permute restores element order.
   const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
@@ -38,10 +41,13 @@ inline __m256i quantize_block(const float* x, float& d, float& sx) {
 // (b, b+1) 16 floats xs: (d_b x4, d_b+1 x4) to scale the pair's dot products, then (s_b, s_b+1) x4 with
 // s = d * sum(q), the weight mins' factor. xq is stored in the order pair_dot reads it: per pair of blocks, elements
 // 0..15 of b, of b+1, then elements 16..31 of b, of b+1 (the halves that a weight byte's two nibbles meet).
-inline void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* xs) {
+// xc (optional), per pair 8 int32: 128 sum(q_b) x4, 128 sum(q_b+1) x4, what int8 weights taken as q + 128 (the
+// unsigned operand of vpdpbusd) add to the block sums (q8_linear's pair tiles).
+inline void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* xs, int32_t* xc = nullptr) {
   for (int64_t i = 0; i < blocks; ++i, x += 32) {
     float d, sx;
-    const __m256i p = quantize_block(x, d, sx);
+    int32_t qsum;
+    const __m256i p = quantize_block(x, d, sx, qsum);
     const int64_t pair = i / 2, half = i % 2;
     int8_t* out = xq + 64 * pair + 16 * half;
     _mm_storeu_si128((__m128i*)out, _mm256_castsi256_si128(p));
@@ -50,6 +56,7 @@ inline void quantize_rows(const float* x, int64_t blocks, int8_t* xq, float* xs)
     for (int j = 0; j < 4; ++j) {
       s[4 * half + j] = d;
       s[8 + 2 * j + half] = sx;
+      if (xc) xc[8 * pair + 4 * half + j] = 128 * qsum;
     }
   }
 }
@@ -76,7 +83,8 @@ inline void quantize_rows_grouped(const float* x, int64_t M, int64_t K, int8_t* 
 inline void quantize_rows_plain(const float* x, int64_t blocks, int8_t* xq, float* xd) {
   for (int64_t i = 0; i < blocks; ++i, x += 32) {
     float sx;
-    _mm256_storeu_si256((__m256i*)(xq + 32 * i), quantize_block(x, xd[i], sx));
+    int32_t qsum;
+    _mm256_storeu_si256((__m256i*)(xq + 32 * i), quantize_block(x, xd[i], sx, qsum));
   }
 }
 
@@ -98,6 +106,24 @@ inline __m256i pair_dot(__m256i lo, __m256i hi, const int8_t* x) {
 #else
   return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)),
                            _mm256_set1_epi16(1));
+#endif
+}
+
+// pair_dot for 8-bit unsigned weights (q8_linear's int8 q taken as q + 128): the same lanes, exact. Without VNNI the
+// bytes are split into nibbles, as u8 x i8 pair sums (up to 2 * 255 * 127) would saturate vpmaddubsw's int16.
+inline __m256i u8_pair_dot(__m256i lo, __m256i hi, const int8_t* x) {
+  const __m256i x0 = _mm256_loadu_si256((const __m256i*)x), x1 = _mm256_loadu_si256((const __m256i*)(x + 32));
+#ifdef __AVX512VNNI__
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
+#else
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const auto nibbles_dot = [&](int shift) {
+    const __m256i l = _mm256_and_si256(_mm256_srli_epi16(lo, shift), low4);
+    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(hi, shift), low4);
+    return _mm256_add_epi16(_mm256_maddubs_epi16(l, x0), _mm256_maddubs_epi16(h, x1));  // |sum| <= 4 * 15 * 127
+  };
+  return _mm256_add_epi32(_mm256_madd_epi16(nibbles_dot(0), _mm256_set1_epi16(1)),
+                          _mm256_madd_epi16(nibbles_dot(4), _mm256_set1_epi16(16)));
 #endif
 }
 

@@ -33,16 +33,19 @@ def test_the_kernels_take_the_widest_build_unless_told_to_stay_narrow(monkeypatc
 
 @wide
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 11, 40])  # 40: AMX tiles where the CPU has them
-def test_the_wide_build_computes_int4_matmuls_bit_for_bit_and_int8_to_rounding(rows):
+def test_the_wide_build_computes_integer_matmuls_bit_for_bit_and_weight_only_int8_to_rounding(rows):
     narrow, wide_ops = native_ops_for("avx2"), native_ops_for("avx512")
     g = torch.Generator().manual_seed(rows)
     N, K = 64, 256
     w4 = int4.pack_native(int4.to_blocks(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g)),
                           torch.rand(N, K // 32, generator=g) * 0.01, -torch.rand(N, K // 32, generator=g) * 0.05)
-    w8 = int8.pack_native(torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g),
-                          torch.rand(N, K // 32, generator=g) * 0.01, None)
+    q8_0 = int8.pack_native(torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g),
+                            torch.rand(N, K // 32, generator=g) * 0.01, None)  # pair tiles: int8 activations
+    w8 = int8.pack_native(torch.randint(0, 256, (N, K), dtype=torch.uint8, generator=g),
+                          torch.rand(N, K // 32, generator=g) * 0.01, -torch.rand(N, K // 32, generator=g) * 0.05)
     x = torch.randn(rows, K, generator=g)
     assert torch.equal(wide_ops.q4_linear(x, w4, None), narrow.q4_linear(x, w4, None))
+    assert torch.equal(wide_ops.q8_linear(x, q8_0, None), narrow.q8_linear(x, q8_0, None))
     torch.testing.assert_close(wide_ops.q8_linear(x, w8, None), narrow.q8_linear(x, w8, None), rtol=1e-5, atol=1e-5)
 
 

@@ -137,7 +137,8 @@ def test_no_parameter_is_left_unloaded_or_float_where_kept():
 
 def test_smollm2_loaded_as_is_equals_float_then_int4_byte_for_byte(smollm2_path):
     # SmolLM2's Q4_1 blocks requantized by int4 (g32) land on the file's own scales, mins and values; loading them
-    # as they are gives the same bytes, module for module (the tied Q8_0 head included), so the same logits.
+    # as they are gives the same bytes, module for module. The tied Q8_0 head holds the same values both ways, but
+    # kept as Q8_0 it is packed for int8 activations (as llama.cpp computes Q8_0), requantized it is weight-only.
     kept = load_model(smollm2_path, quant="gguf")
     via_int4 = quantize_model(load_model(smollm2_path), "int4")
     for name, a in via_int4.named_modules():
@@ -145,10 +146,16 @@ def test_smollm2_loaded_as_is_equals_float_then_int4_byte_for_byte(smollm2_path)
             continue
         b = kept.get_submodule(name)
         assert type(a) is type(b), name
+        if name == "lm_head":
+            assert a.qweight.shape[-1] == 144 and b.qweight.shape[-1] == 272
+            ids = torch.arange(a.out_features)
+            assert torch.equal(a.rows(ids), b.rows(ids))
+            continue
         for key, buf in a.named_buffers(recurse=False):
             assert torch.equal(buf, getattr(b, key)), f"{name}.{key}"
     tokens = torch.tensor([[1, 504, 3458, 314, 1178, 30]])
-    assert torch.equal(logits(kept, tokens), logits(via_int4, tokens))
+    ours, ref = logits(kept, tokens), logits(via_int4, tokens)
+    assert (ours - ref).norm() / ref.norm() < 0.01 and torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
 def test_quant_gguf_of_a_directory_is_refused():

@@ -30,15 +30,18 @@ def weight_error(w: torch.Tensor, backend: str) -> torch.Tensor:
     return scale[:, None].expand_as(w) / 2
 
 
-def test_blockwise_encoding_reproduces_a_q8_0_tensor_exactly():
-    scale = torch.rand(8, 4).half().float()  # what a Q8_0 GGUF tensor holds: fp16 scales, int8 values
-    q = torch.randint(-127, 128, (8, 128), dtype=torch.int8)
+@pytest.mark.parametrize("K", [128, 96])
+def test_blockwise_encoding_reproduces_a_q8_0_tensor_exactly(K):
+    scale = torch.rand(8, K // 32).half().float()  # what a Q8_0 GGUF tensor holds: fp16 scales, int8 values
+    q = torch.randint(-128, 128, (8, K), dtype=torch.int8)
     q[:, ::32] = 127  # every block reaches its full range, as Q8_0's quantizer makes it
     w = dequantize_blockwise(q, scale)
     assert torch.equal(dequantize_blockwise(*quantize_blockwise(w)), w)
-    if native_fits(8, 128):  # as a Q8_0 GGUF tensor loads: its int8 values and scales, no offsets
+    if native_fits(8, K):  # as a Q8_0 GGUF tensor loads: its int8 values and scales, no offsets
         kept = Int8Linear.from_tensors({"qweight": q, "scales": scale.half()}, backend="native")
-        assert kept.qweight.shape[-1] == 136 and torch.equal(kept.rows(torch.arange(8)), w)
+        # pair tiles where K holds whole pairs of blocks, else the weight-only tiles with m = -128 d
+        assert kept.qweight.shape[-1] == (272 if K % 64 == 0 else 144)
+        assert torch.equal(kept.rows(torch.arange(8)), w)
 
 
 def test_blockwise_encoding_holds_a_q4_1_tensor_to_fp16_rounding_of_its_scale():
@@ -58,38 +61,50 @@ def test_blockwise_encoding_holds_a_q4_1_tensor_to_fp16_rounding_of_its_scale():
     assert err.mean() < err_sym.mean() / 10
 
 
+def activation_step_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The error of rounding x to int8 per block of 32 (at most half a step, amax / 254, per element) through |w|, plus
+    float rounding."""
+    m, K = x.shape
+    half_step = (x.reshape(m, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 32).reshape(m, K)
+    return half_step @ w.abs().T + 1e-4 * (x.abs() @ w.abs().T)
+
+
 @NATIVE
-def test_native_kernel_computes_with_the_encoded_weights_in_both_layouts():
-    """A Q8_0 tensor is packed without offsets (136 bytes per tile and block), anything else with them (144)."""
-    torch.manual_seed(0)
-    x = torch.randn(5, 128)
-    scale = (torch.rand(8, 4) * 0.01).half().float()
-    q = torch.randint(-127, 128, (8, 128), dtype=torch.int8)
-    q[:, ::32] = 127
+@pytest.mark.parametrize("m", [1, 5, 40])  # 40: AMX tiles where the CPU has them
+def test_native_kernel_computes_with_the_encoded_weights_in_both_layouts(m):
+    """A Q8_0 tensor goes into pair tiles (272 bytes per tile and pair of blocks) and is computed with int8
+    activations, as llama.cpp does; anything else into weight-only tiles (144 bytes per tile and block), float
+    activations."""
+    torch.manual_seed(m)
+    x = torch.randn(m, 128)
+    scale = (torch.rand(32, 4) * 0.01).half().float()
+    q = torch.randint(-128, 128, (32, 128), dtype=torch.int8)
     q8_0 = Int8Linear.from_tensors({"qweight": q, "scales": scale.half()}, backend="native")
-    assert q8_0.qweight.shape == (2, 4, 136)
-    torch.testing.assert_close(q8_0(x), x @ dequantize_blockwise(q, scale).T, rtol=1e-5, atol=1e-5)
-    w = torch.randn(8, 128) * 0.05 + 0.03
+    assert q8_0.qweight.shape == (8, 2, 272)
+    w = dequantize_blockwise(q, scale)
+    assert ((q8_0(x) - x @ w.T).abs() <= activation_step_bound(x, w)).all()
+    w = torch.randn(32, 128) * 0.05 + 0.03
     layer = Int8Linear.from_weight(w, backend="native")
-    assert layer.qweight.shape == (2, 4, 144)
+    assert layer.qweight.shape == (8, 4, 144)
     torch.testing.assert_close(layer(x), x @ dequantize_blockwise(*quantize_blockwise(w)).T, rtol=1e-5, atol=1e-5)
 
 
 @NATIVE
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_native_row_does_not_depend_on_how_many_rows_share_the_call(symmetric):
-    """Up to 5 rows are computed from weights dequantized in registers, more from a dequantized copy of the tile (on
-    AVX-512, of two tiles at once; 11 tiles leave one alone); a verify step must reproduce decode steps bit for bit
-    either way."""
+    """Weight-only: up to 5 rows are computed from weights dequantized in registers, more from a dequantized copy of
+    the tile (on AVX-512, of two tiles at once; 11 tiles leave one alone). Pair tiles: up to 4 rows a pass, and from
+    16 rows on a CPU with AMX the tiles take blocks of 32 weight rows (here 32 of the 44). A verify step must
+    reproduce decode steps bit for bit either way."""
     torch.manual_seed(0)
     if symmetric:
-        q = torch.randint(-127, 128, (44, 320), dtype=torch.int8)
+        q = torch.randint(-128, 128, (44, 320), dtype=torch.int8)
         layer = Int8Linear.from_tensors({"qweight": q, "scales": torch.rand(44, 10).half()}, torch.randn(44), "native")
     else:
         layer = Int8Linear.from_weight(torch.randn(44, 320), torch.randn(44), backend="native")
-    assert layer.qweight.shape[-1] == (136 if symmetric else 144)
-    x = torch.randn(20, 320)
-    for m in (1, 2, 3, 4, 5, 6, 7, 9, 20):
+    assert layer.qweight.shape[-1] == (272 if symmetric else 144)
+    x = torch.randn(40, 320)
+    for m in (1, 2, 3, 4, 5, 6, 7, 9, 15, 16, 17, 20, 33, 40):
         y = layer(x[:m])
         assert all(torch.equal(y[i], layer(x[i:i + 1])[0]) for i in range(m)), m
 
