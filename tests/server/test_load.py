@@ -1,5 +1,5 @@
-"""Concurrency: many streaming clients are all served, in full; a client that leaves frees the engine; a full queue
-answers 429 with Retry-After. Bounded in time: short replies and a wall-clock limit on each scenario."""
+"""Concurrency: many streaming clients are all served, in full, each with the reply its request gets alone; a client
+that leaves frees the engine; a full queue answers 429 with Retry-After. Bounded in time: short replies and a wall-clock limit on each scenario."""
 import asyncio
 import json
 import threading
@@ -52,12 +52,26 @@ def test_sixteen_streaming_clients_four_requests_each_all_complete(server):
     async def main():
         return await asyncio.wait_for(asyncio.gather(*(client_loop(i) for i in range(CLIENTS))), LOAD_LIMIT_S)
 
-    results = [r for per_client in asyncio.run(main()) for r in per_client]
+    by_client = asyncio.run(main())
+    results = [r for per_client in by_client for r in per_client]
     assert len(results) == CLIENTS * REQUESTS_EACH
     for r in results:
         assert r["done"], r
         assert r["usage"]["completion_tokens"] == r["tokens"] and 0 < r["tokens"] <= MAX_TOKENS, r
     assert server.healthy()
+
+    # Each reply is the one its request gets alone (greedy; batching and prefix hits change nothing): one request
+    # of every client, each position j covered, run again one at a time.
+    async def alone():
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0,
+                                    timeout=LOAD_LIMIT_S)
+        try:
+            return [await stream_once(client, i, i % REQUESTS_EACH) for i in range(CLIENTS)]
+        finally:
+            await client.close()
+
+    for i, solo in enumerate(asyncio.run(alone())):
+        assert by_client[i][i % REQUESTS_EACH]["text"] == solo["text"], (i, solo)
 
 
 def test_client_that_leaves_mid_stream_stalls_nobody(server, client):
