@@ -196,7 +196,7 @@ def child(engine: str, path: str, prompt_tokens: int, tokens: int, threads: int,
         llm.close()  # else the process aborts at exit ("terminate called without an active exception", rc 134)
         t = c.timings
         return {"load_s": load_s, "prefill_tok_s": t.prefill_tok_s, "decode_tok_s": t.output_tok_s,
-                "tokens": c.token_ids, "decode_path": "native" if llm.decoder is not None else "pytorch"}
+                "tokens": c.token_ids, "decode_path": llm.decode_path}
     import llama_cpp
     from llama_cpp import Llama
 
