@@ -15,8 +15,9 @@ Kernels: fp32 / bf16 F.linear; int8pack_mm (aten, per-channel int8, float activa
 linear_dynamic: per-channel int8, activations quantized per tensor); int8_int_mm (torch._int_mm plus aten ops that
 quantize each activation row); int4pack_gG (aten _weight_int4pack_mm_for_cpu, groups of G); native_int8 (ours:
 weight-only int8 with fp16 scales and offsets per 32-block, float activations), native_q8_0 (ours: a GGUF Q8_0
-tensor's pair tiles) and native_int4_g32 (ours: like Q4_1), both with activations quantized to int8 per 32-block. aten's _dyn_quant_matmul_4bit is left out: without KleidiAI (x86) it runs a
-scalar reference kernel, ~15 ms for one 3072x576 matmul.
+tensor's pair tiles) and native_int4_g32 (ours: like Q4_1), both with activations quantized to int8 per 32-block.
+aten's _dyn_quant_matmul_4bit is left out: without KleidiAI (x86) it runs a scalar reference kernel, ~15 ms for one
+3072x576 matmul.
 """
 import argparse
 import json
@@ -94,7 +95,7 @@ def module(cls, **kw):
 
 
 def q8_0(w):
-    """w as a GGUF's Q8_0 tensor loads (int8 values, fp16 scale per 32, no offsets): the pair tiles, int8 activations."""
+    """w as a GGUF's Q8_0 tensor loads (int8 values, fp16 scale per 32, no offsets): pair tiles, int8 activations."""
     g = w.reshape(w.shape[0], -1, 32)
     d = (g.abs().amax(-1) / 127).half()
     q = (g / d.float().clamp(min=1e-12)[..., None]).round().clamp(-127, 127).to(torch.int8)

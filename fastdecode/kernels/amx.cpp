@@ -8,9 +8,10 @@
 // -32 offset taken off as 32 * the sum of the unit's activations, Q8_0's +128 as 128 * that sum); then per output the
 // same FMA chains of float(sum) * (d_w * d_x), one per class of units: int4, Q4_K, Q5_K (quant.cpp) the even and odd
 // blocks E, O, and ME, MO of the mins (m_w * sx added for int4, dmin * m * sx subtracted for the K-quants, whose d_w
-// is d * sc), y = ((E + O) + ME) + MO; Q8_0 (quant.cpp's pair tiles) E and O, y = E + O; Q6_K (kquant.cpp) the 8 sub-blocks of a half super-block c0..c7, y = ((c0 + c1) + (c4 + c5)) + ((c2 + c3)
-// + (c6 + c7)). So a row's result does not depend on which kernel ran it: a prompt chunk and decode steps, a request
-// alone and in a batch, agree exactly.
+// is d * sc), y = ((E + O) + ME) + MO; Q8_0 (quant.cpp's pair tiles) E and O, y = E + O; Q6_K (kquant.cpp) the 8
+// sub-blocks of a half super-block c0..c7, y = ((c0 + c1) + (c4 + c5)) + ((c2 + c3) + (c6 + c7)). So a row's
+// result does not depend on which kernel ran it: a prompt chunk and decode steps, a request alone and in a batch,
+// agree exactly.
 //
 // Per block of 32 outputs (two 16-row weight tiles) a thread unpacks the values of every unit of K once into AMX's
 // B layout (per 4 consecutive k, the 16 columns' 4 bytes side by side); then per 32 activation rows (two A tiles,
@@ -339,7 +340,8 @@ void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t
       for (int64_t b = 0; b < blocks; ++b) {
         int8_t* q = x.xq.data() + m * K + 32 * b;
         int32_t qsum;
-        _mm256_storeu_si256((__m256i*)q, quantize_block(X + m * K + 32 * b, x.xd[b * Mp + m], x.xsx[m * blocks + b], qsum));
+        const __m256i qb = quantize_block(X + m * K + 32 * b, x.xd[b * Mp + m], x.xsx[m * blocks + b], qsum);
+        _mm256_storeu_si256((__m256i*)q, qb);
         if (q8) x.xo[b * Mp + m] = 128 * qsum;
         if (q6)
           for (int h = 0; h < 2; ++h) {

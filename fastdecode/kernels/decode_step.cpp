@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace fastdecode {
@@ -391,12 +392,16 @@ void attend_chunks(const std::vector<const float*>& q, const std::vector<const V
     for (int64_t i = 0; i < n;) {
       int run = 1;
       while (run < MAXQ && i + run < n && same_keys(*seen[i], *seen[i + run], c)) ++run;
-      switch (run) {
-        case 4: if constexpr (MAXQ >= 4) chunk_part<4, NVQ>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part); break;
-        case 3: if constexpr (MAXQ >= 3) chunk_part<3, NVQ>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part); break;
-        case 2: chunk_part<2, NVQ>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part); break;
-        default: chunk_part<1, NV>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part);
-      }
+      const auto part_of = [&](auto nq) {
+        constexpr int NQ = decltype(nq)::value;
+        chunk_part<NQ, NQ == 1 ? NV : NVQ>(&q[i], *seen[i], k, v, sr, block_size, hd, scale, c, p, part);
+      };
+      if constexpr (MAXQ >= 4)
+        if (run == 4) part_of(std::integral_constant<int, 4>{});
+      if constexpr (MAXQ >= 3)
+        if (run == 3) part_of(std::integral_constant<int, 3>{});
+      if (run == 2) part_of(std::integral_constant<int, 2>{});
+      if (run == 1) part_of(std::integral_constant<int, 1>{});
       for (int r = 0; r < run; ++r)
         if (part[r].l > 0) emit(i + r, c, part[r]);
       i += run;

@@ -171,7 +171,8 @@ class Int8Linear(QuantLinear):
         tiles = self.qweight[ids // 4]  # (n, K/64, 272) | (n, K/32, 144), see pack_native
         if tiles.shape[-1] == PAIR_BYTES:  # Q8_0: w = d q
             d = tiles[..., :16].contiguous().view(torch.float16).view(n, -1, 4, 2).transpose(1, 2)[pick].float()
-            q = tiles[..., 16:].reshape(n, -1, 4, 2, 2, 16).permute(0, 2, 1, 4, 3, 5)[pick]  # (n, K/64, block, half, 16)
+            # (n, K/64, block of the pair, half of the block, 16)
+            q = tiles[..., 16:].reshape(n, -1, 4, 2, 2, 16).permute(0, 2, 1, 4, 3, 5)[pick]
             return (q.reshape(n, -1, QK).view(torch.int8).float() * d.reshape(n, -1, 1)).reshape(n, -1)
         dm = tiles[..., :16].contiguous().view(torch.float16).view(n, -1, 2, 4)  # (scale|min, row)
         dm = dm.permute(0, 3, 1, 2)[pick].float()  # (n, K/32, scale|min)

@@ -1,5 +1,6 @@
-"""Concurrency: many streaming clients are all served, in full, each with the reply its request gets alone; a client
-that leaves frees the engine; a full queue answers 429 with Retry-After. Bounded in time: short replies and a wall-clock limit on each scenario."""
+"""Concurrency: many streaming clients are all served, in full, each with the reply its request gets alone; a
+client that leaves frees the engine; a full queue answers 429 with Retry-After. Bounded in time: short replies and a
+wall-clock limit on each scenario."""
 import asyncio
 import json
 import threading
