@@ -7,6 +7,7 @@ except where llama.cpp and the upstream tokenizer.json agree against it (see DIG
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -107,6 +108,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can cover: its vocabulary entry's length (byte-level entries spell
+        one character per byte, SentencePiece ones the text itself), so n characters take at least n / this many
+        tokens, and a prompt that cannot fit in any context is refused before it is tokenized. None where a
+        normalizer could shorten the text (only character-for-character replacements and prefixes are known safe)."""
+        normalizer = self.backend.normalizer
+        if not length_preserving(None if normalizer is None else json.loads(normalizer.__getstate__())):
+            return None
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -196,6 +208,17 @@ class Tokenizer:
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         return cls(backend, bos_id, [i for i in eos_ids if i is not None], template)
+
+
+def length_preserving(normalizer: dict | None) -> bool:
+    """Whether a tokenizer.json normalizer never makes a text shorter: none, prefixes, one-character replacements."""
+    if normalizer is None or normalizer.get("type") == "Prepend":
+        return True
+    if normalizer.get("type") == "Sequence":
+        return all(map(length_preserving, normalizer.get("normalizers", [])))
+    pattern = normalizer.get("pattern") or {}
+    return (normalizer.get("type") == "Replace" and len(pattern.get("String", "")) == 1
+            and len(normalizer.get("content", "")) >= 1)
 
 
 def byte_level_backend(tokens: list[str], merges: list[str] | None, pre: str):

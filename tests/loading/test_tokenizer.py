@@ -8,6 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import normalizers
+from tokenizers.models import BPE
 
 from fastdecode.errors import InvalidRequestError, ModelFileError, UnsupportedModelError
 from fastdecode.loading.gguf_file import GGUFFile
@@ -105,6 +108,28 @@ def test_smollm2_matches_transformers_on_300_strings(smollm, smollm_ref):
 
 def test_gemma3_matches_transformers_on_300_strings(gemma, gemma_ref):
     assert mismatches(gemma, gemma_ref, strings()) == []
+
+
+@pytest.mark.parametrize("name", ["smollm", "gemma"])
+def test_no_text_takes_fewer_tokens_than_its_length_over_max_token_chars(name, request):
+    """The bound the server refuses over-long prompts by before tokenizing them (prepare.can_fit): here with the
+    texts that pack the most characters into a token (runs of one character, whitespace) and the 300 strings."""
+    tok = request.getfixturevalue(name)
+    per_token = tok.max_token_chars
+    assert per_token and per_token < 100
+    runs = [c * n for c in (" ", "\n", "\t", "a", "=", "-", "0", "\u4e00") for n in (1, 7, 64, 1000, 5000)]
+    for text in runs + strings():
+        assert len(tok.encode(text, add_special_tokens=False)) * per_token >= len(text), repr(text[:40])
+
+
+def test_a_normalizer_that_can_shorten_text_gives_no_bound():
+    backend = Backend(BPE(unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Replace(" ", "\u2581"), normalizers.Prepend("\u2581")])
+    assert Tokenizer(backend, None, []).max_token_chars == 1
+    backend.normalizer = normalizers.Replace("  ", " ")  # two spaces become one
+    assert Tokenizer(backend, None, []).max_token_chars is None
+    backend.normalizer = normalizers.Strip()
+    assert Tokenizer(backend, None, []).max_token_chars is None
 
 
 def same_model_and_added_tokens(ours, ref):

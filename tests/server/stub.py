@@ -33,5 +33,11 @@ class MidStreamFailureLLM(UnreachableLLM):
         raise RuntimeError(f"cannot read {SECRET}")
 
 
+class UntokenizableLLM(UnreachableLLM):
+    """Its tokenizer knows how many characters a token covers at most (4), and cannot tokenize: a request that gets
+    as far as tokenizing its prompt fails with a 500."""
+    tokenizer = SimpleNamespace(max_token_chars=4, chat_template=None)
+
+
 def stub_client(llm=None, base_url: str = "http://127.0.0.1:8000", **config) -> TestClient:
     return TestClient(create_app(llm or UnreachableLLM(), ServerConfig(**config)), base_url=base_url)

@@ -3,7 +3,7 @@ import pytest
 
 from fastdecode.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from fastdecode.server.schemas import ChatCompletionRequest
-from tests.server.stub import MODEL, stub_client
+from tests.server.stub import MODEL, UntokenizableLLM, stub_client
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -67,3 +67,15 @@ def test_schema_and_bias_over_the_limits_or_malformed_are_a_400_naming_them(http
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and word in error["message"], error
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab " * 100}]}),
+    ("/v1/completions", {"prompt": "ab " * 100}),
+])
+def test_a_prompt_too_long_for_the_context_however_it_tokenizes_is_refused_before_tokenizing(path, body):
+    # 300 characters, at most 4 a token: at least 75 tokens, over the context of 64
+    with stub_client(UntokenizableLLM()) as client:
+        response = client.post(path, json={"model": MODEL, "max_tokens": 1, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "context_length_exceeded"
