@@ -2,8 +2,10 @@
 
 The kernel fills such pages with zeros when they are first touched, so allocating costs nothing up front and memory
 never touched is never resident: a KV cache sized for eight full-length sequences occupies what its sequences fill,
-not the whole budget (torch.zeros wrote every byte of it at start). The pages are advised as transparent huge pages,
-so that writing a multi-GB model's packed weights takes one page fault per 2 MB rather than per 4 KB.
+not the whole budget (torch.zeros wrote every byte of it at start). Weights' pages are advised as transparent huge
+pages, so that writing a multi-GB model's packed weights takes one page fault per 2 MB rather than per 4 KB, and
+reading them misses the TLB less. The mapping is private: Linux gives shared anonymous memory (mmap's default)
+huge pages only where shmem_enabled allows, which it does not by default.
 """
 from __future__ import annotations
 
@@ -15,14 +17,15 @@ import torch
 MIN_BYTES = 1 << 20  # below this, torch's allocator (its pool is cheaper than a mapping)
 
 
-def zeros(*shape: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+def zeros(*shape: int, dtype: torch.dtype, device=None, huge_pages: bool = True) -> torch.Tensor:
     """A zero-filled tensor; on the CPU its pages are made on first touch (which makes it also the cheapest `empty`
-    for a buffer written in full right away)."""
+    for a buffer written in full right away). huge_pages=False for a buffer filled sparsely (a KV cache: each
+    touched 2 MB page would be resident whole)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or torch.device(device or "cpu").type != "cpu":
         return torch.zeros(*shape, dtype=dtype, device=device)
-    pages = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             pages.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel without transparent huge pages: 4 KB pages work the same

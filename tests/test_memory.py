@@ -1,6 +1,7 @@
 """Tensors on fresh anonymous pages: zero, writable, and resident only where written."""
 import resource
 
+import pytest
 import torch
 
 from fastdecode import memory
@@ -24,3 +25,29 @@ def test_a_large_buffer_is_zero_and_costs_memory_only_where_written():
 def test_small_buffers_come_from_torch():
     t = memory.zeros(4, 8, dtype=torch.float32)
     assert t.shape == (4, 8) and not t.any()
+
+
+def anon_huge_bytes(t: torch.Tensor) -> int:
+    """AnonHugePages of the mapping holding t, from /proc/self/smaps."""
+    addr, found = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                found = lo <= addr < hi
+            elif found and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_weights_get_huge_pages_and_a_sparse_buffer_does_not():
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        if "[never]" in f.read():
+            pytest.skip("transparent huge pages are off on this machine")
+    weights = memory.zeros(32, 1 << 20, dtype=torch.uint8)  # 32 MiB, written in full as packing does
+    weights.fill_(1)
+    sparse = memory.zeros(32, 1 << 20, dtype=torch.uint8, huge_pages=False)
+    sparse.fill_(1)
+    assert anon_huge_bytes(weights) >= 16 << 20  # shared anonymous memory (mmap's default) got none
+    assert anon_huge_bytes(sparse) == 0

@@ -40,8 +40,8 @@ class KVCache:
         # Pages made as sequences first write them (fastdecode/memory.py): the part of the budget never used costs
         # neither memory nor start-up time.
         shape = (num_kv_heads, slots, head_dim)
-        self.k = [memory.zeros(*shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [memory.zeros(*shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [memory.zeros(*shape, dtype=dtype, device=device, huge_pages=False) for _ in range(num_layers)]
+        self.v = [memory.zeros(*shape, dtype=dtype, device=device, huge_pages=False) for _ in range(num_layers)]
         self.refs = [0] * num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # never used or evicted; pop() takes block 0 first
         self.cached: dict[int, int] = {}  # prefix hash -> block

@@ -15,7 +15,8 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
                          const at::Tensor& slots, const at::Tensor& seq_rows, const at::Tensor& context,
                          const at::Tensor& block_table, int64_t block_size, const at::Tensor& tree_mask,
                          const at::Tensor& rope_global, const at::Tensor& rope_local, const std::vector<int64_t>& windows,
-                         int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu);
+                         int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu,
+                         int64_t top_k, bool norm_topk);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W 8-bit packed (N/4, K/32, 144) with fp16 block scales and offsets, or Q8_0 pair tiles (N/4, K/64, 272)");

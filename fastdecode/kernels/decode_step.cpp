@@ -31,9 +31,12 @@ namespace {
 // Tensors of one layer, in this order (an empty tensor stands for "absent").
 enum Slot {
   IN_NORM, POST_ATTN_NORM, PRE_FF_NORM, POST_FF_NORM, Q_NORM, K_NORM,
-  QKV_W, QKV_B, QKV2_W, QKV2_B, O_W, O_B, GU_W, GU_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, SLOTS
+  QKV_W, QKV_B, QKV2_W, QKV2_B, O_W, O_B, GU_W, GU_B, DOWN_W, DOWN_B,
+  ROUTER_W, ROUTER_B, EXPERT_GU_W, EXPERT_GU_B, EXPERT_DOWN_W, EXPERT_DOWN_B, K_CACHE, V_CACHE, SLOTS
 };
 // QKV2: the q/k/v's second part where its rows come in two formats (a Q4_K_M file's Q6_K v beside Q4_K q/k).
+// A mixture-of-experts layer has ROUTER_W (E, D) in place of GU_W, and its experts' gate/up and down weights stacked
+// along a first dimension of E (each expert's slice in the layout linear() takes; biases (E, N) or absent).
 
 inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
@@ -589,6 +592,62 @@ void gated_activation(float* g, int64_t I, bool gelu) {
   }
 }
 
+// An MoE block (Qwen3-MoE), as models/moe.py computes it: h (T, D) -> sum over each row's top-k experts of the
+// router weight times that expert's SwiGLU. Rows are grouped by expert, so each routed expert's weights are read
+// once per call however many rows chose it, and experts no row chose are not read at all.
+at::Tensor moe(const at::Tensor& h, const at::Tensor* w, int64_t top_k, bool norm_topk, bool gelu) {
+  const int64_t T = h.size(0), D = h.size(1), E = w[ROUTER_W].size(0);
+  TORCH_CHECK(w[ROUTER_W].scalar_type() == at::kFloat && w[ROUTER_W].is_contiguous() && w[ROUTER_W].size(1) == D,
+              "the router must be a contiguous float32 (E, D) matrix");
+  // The router's logits row by row, in one fixed order: a float GEMM's sums depend on how many rows it is given, and
+  // an ulp there moves the int8-rounded activations of the experts after it, so a row verified beside draft tokens
+  // would not get the logits it gets alone (greedy speculation would stop being lossless).
+  at::Tensor logits = at::empty({T, E}, h.options());
+  const float* RW = w[ROUTER_W].data_ptr<float>();
+  at::parallel_for(0, T * E, 64, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const float* x = h.data_ptr<float>() + i / E * D;
+      const float* r = RW + i % E * D;
+      vecf acc = vzero();
+      int64_t j = 0;
+      for (; j + VW <= D; j += VW) acc = vfma(vload(x + j), vload(r + j), acc);
+      float sum = hsum(acc);
+      for (; j < D; ++j) sum += x[j] * r[j];
+      logits.data_ptr<float>()[i] = sum + (present(w[ROUTER_B]) ? w[ROUTER_B].data_ptr<float>()[i % E] : 0.f);
+    }
+  });
+  at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+  auto [weight, expert] = at::topk(probs, top_k);  // (T, k): torch.topk's order, so ties break as in PyTorch
+  if (norm_topk) weight = weight / weight.sum(-1, true);
+  const float* WT = weight.data_ptr<float>();
+  const int64_t* ID = expert.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> chosen(E);  // expert -> indices t * k + j of the choices routed to it
+  for (int64_t i = 0; i < T * top_k; ++i) {
+    TORCH_CHECK(0 <= ID[i] && ID[i] < E, "router chose expert ", ID[i], " of ", E);
+    chosen[ID[i]].push_back(i);
+  }
+  at::Tensor out = at::zeros_like(h);
+  float* OUT = out.data_ptr<float>();
+  const auto part = [](const at::Tensor& t, int64_t e) { return present(t) ? t[e] : t; };
+  for (int64_t e = 0; e < E; ++e) {
+    if (chosen[e].empty()) continue;
+    const int64_t n = chosen[e].size();
+    at::Tensor rows = at::empty({n}, at::kLong);
+    for (int64_t r = 0; r < n; ++r) rows.data_ptr<int64_t>()[r] = chosen[e][r] / top_k;
+    at::Tensor gu = linear(n == T ? h : h.index_select(0, rows), w[EXPERT_GU_W][e], part(w[EXPERT_GU_B], e));
+    const int64_t I = gu.size(1) / 2;
+    for (int64_t r = 0; r < n; ++r) gated_activation(gu.data_ptr<float>() + r * 2 * I, I, gelu);
+    at::Tensor d = linear(gu.narrow(1, 0, I), w[EXPERT_DOWN_W][e], part(w[EXPERT_DOWN_B], e));
+    for (int64_t r = 0; r < n; ++r) {
+      const float g = WT[chosen[e][r]];
+      const float* src = d.data_ptr<float>() + r * D;
+      float* dst = OUT + rows.data_ptr<int64_t>()[r] * D;
+      for (int64_t i = 0; i < D; ++i) dst[i] += src[i] * g;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 // x (R, D) float32 embeddings of the new rows of a batch of sequences -> (R, D) residual stream after the last layer
@@ -597,13 +656,15 @@ void gated_activation(float* g, int64_t I, bool gelu) {
 // positions[r] and its keys and values are written to slot slots[r]. A sequence's rows are one decode step, a chunk
 // of its prompt, or a chain or token tree being verified (tree_mask (R, R) bool: row r sees row j of its own sequence
 // iff j is r or an ancestor; empty: every sequence's rows are a causal chain). rope_* are (2, P, hd) cos/sin tables;
-// windows[l] is layer l's sliding window (0: attends to everything). Caches are (..., K, slots, hd) per layer, all
+// windows[l] is layer l's sliding window (0: attends to everything); MoE layers route each row to its top_k experts
+// (weights renormalised to sum to 1 when norm_topk). Caches are (..., K, slots, hd) per layer, all
 // float32 or all float16.
 at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
                          const at::Tensor& slots, const at::Tensor& seq_rows, const at::Tensor& context,
                          const at::Tensor& block_table, int64_t block_size, const at::Tensor& tree_mask,
                          const at::Tensor& rope_global, const at::Tensor& rope_local, const std::vector<int64_t>& windows,
-                         int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu) {
+                         int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu,
+                         int64_t top_k, bool norm_topk) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (R, D) float32");
   TORCH_CHECK(weights.size() == windows.size() * SLOTS, "weights do not match the layer count");
   const int64_t T = x.size(0), D = x.size(1), L = windows.size(), qn = H * hd, kn = K * hd, B = context.numel();
@@ -693,10 +754,16 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
         rms_norm(Xt, w[POST_ATTN_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
       }
     }
-    at::Tensor gu = linear(h, w[GU_W], w[GU_B]);  // (T, 2 I)
-    const int64_t I = gu.size(1) / 2;
-    for (int64_t t = 0; t < T; ++t) gated_activation(gu.data_ptr<float>() + t * 2 * I, I, gelu);
-    at::Tensor d = linear(gu.narrow(1, 0, I), w[DOWN_W], w[DOWN_B]);
+    at::Tensor d;
+    if (present(w[ROUTER_W])) {
+      TORCH_CHECK(0 < top_k && top_k <= w[ROUTER_W].size(0), "top_k must be within the expert count");
+      d = moe(h, w, top_k, norm_topk, gelu);
+    } else {
+      at::Tensor gu = linear(h, w[GU_W], w[GU_B]);  // (T, 2 I)
+      const int64_t I = gu.size(1) / 2;
+      for (int64_t t = 0; t < T; ++t) gated_activation(gu.data_ptr<float>() + t * 2 * I, I, gelu);
+      d = linear(gu.narrow(1, 0, I), w[DOWN_W], w[DOWN_B]);
+    }
     float* Dn = d.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       float* Dt = Dn + t * D;

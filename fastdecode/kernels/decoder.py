@@ -5,11 +5,23 @@ import torch
 from torch import nn
 
 from fastdecode.kernels import native_ops
+from fastdecode.models.moe import SparseMoE
 from fastdecode.quant.split import RowSplitLinear
 
 EMPTY = torch.empty(0)
 ZERO_TABLE = torch.zeros(1, 1, dtype=torch.long)
-SLOTS = 18  # tensors per layer, in decode_step.cpp's Slot order
+SLOTS = 24  # tensors per layer, in decode_step.cpp's Slot order
+
+
+def weight_name(module: nn.Module) -> str | None:
+    """The attribute holding the weight decode_step.cpp reads: a float nn.Linear's weight, or the packed qweight of
+    an Int8Linear/Int4Linear/KQuantLinear on its native backend (scales live in the packed weight); None for a linear
+    it cannot run."""
+    if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
+        return "weight"
+    if getattr(module, "backend", None) == "native":
+        return "qweight"
+    return None
 
 
 def linear_tensors(module: nn.Module, parts: int = 1) -> list[torch.Tensor] | None:
@@ -20,27 +32,71 @@ def linear_tensors(module: nn.Module, parts: int = 1) -> list[torch.Tensor] | No
         if len(pairs) > parts or any(pair is None for pair in pairs):
             return None
         return [t for pair in pairs for t in pair] + [EMPTY, EMPTY] * (parts - len(pairs))
-    bias = module.bias if module.bias is not None else EMPTY
-    if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
-        weight = module.weight
-    elif getattr(module, "backend", None) == "native":  # Int8Linear, Int4Linear: scales live in the packed weight
-        weight = module.qweight
-    else:
+    name = weight_name(module)
+    if name is None:
         return None
-    return [weight, bias] + [EMPTY, EMPTY] * (parts - 1)
+    return [getattr(module, name), module.bias if module.bias is not None else EMPTY] + [EMPTY, EMPTY] * (parts - 1)
+
+
+def adjacent_views(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The (len(parts), ...) tensor whose slices are `parts`, as a view, when they are contiguous runs that follow one
+    another in one storage (experts a GGUF loader packed as one matrix, QuantLinear.split); else None."""
+    first, n = parts[0], parts[0].numel()
+    ptr = first.untyped_storage().data_ptr()
+    if all(p.is_contiguous() and p.shape == first.shape and p.dtype == first.dtype and
+           p.untyped_storage().data_ptr() == ptr and p.storage_offset() == first.storage_offset() + i * n
+           for i, p in enumerate(parts)):
+        return first.as_strided((len(parts), *first.shape), (n, *first.stride()))
+    return None
+
+
+def stacked_experts(moe: SparseMoE) -> list[torch.Tensor] | None:
+    """An MoE block's experts as decode_step.cpp takes them: (gate_up weight, bias, down weight, bias), each stacked
+    over the experts (E, ...), or None when the experts differ in kind or shape. Experts that already lie stacked
+    (gguf_native) are viewed as they are; others are stacked once, each expert's own tensor becoming a view of the
+    stack, so the weights are not held twice and both paths read the same bytes."""
+    if moe.stacked is not None:
+        return moe.stacked
+    out = []
+    for proj in ("gate_up_proj", "down_proj"):
+        modules = [getattr(expert, proj) for expert in moe.experts]
+        names = {weight_name(m) for m in modules}
+        kinds = {(type(m), getattr(m, "kind", None), m.bias is None) for m in modules}
+        name = names.pop() if len(names) == 1 else None
+        if name is None or len(kinds) != 1 or len({(getattr(m, name).shape, getattr(m, name).dtype)
+                                                    for m in modules}) != 1:
+            return None
+        for attr in (name, "bias"):
+            parts = [getattr(m, attr) for m in modules]
+            if parts[0] is None:
+                out.append(EMPTY)
+                continue
+            stack = adjacent_views(parts)
+            if stack is None:
+                stack = torch.stack([p.detach() for p in parts])
+                for m, part in zip(modules, stack):
+                    setattr(m, attr, nn.Parameter(part, requires_grad=False) if attr in m._parameters else part)
+            out.append(stack)
+    moe.stacked = out
+    return out
 
 
 def layer_tensors(block) -> list[list[torch.Tensor] | None]:
-    """A block's norms, then its linears' (weight, bias) pairs (q/k/v: two parts), in decode_step.cpp's slot order."""
+    """A block's norms, its linears' (weight, bias) pairs (q/k/v: two parts), then an MoE block's router and stacked
+    experts, in decode_step.cpp's slot order."""
     attn, mlp = block.self_attn, block.mlp
 
     def norm(name, owner=block):
         m = getattr(owner, name, None)
         return m.weight if m is not None else EMPTY
-    return [[norm("input_layernorm"), norm("post_attention_layernorm"), norm("pre_feedforward_layernorm"),
-             norm("post_feedforward_layernorm"), norm("q_norm", attn), norm("k_norm", attn)],
-            linear_tensors(attn.qkv_proj, parts=2), linear_tensors(attn.o_proj), linear_tensors(mlp.gate_up_proj),
-            linear_tensors(mlp.down_proj)]
+    norms = [norm("input_layernorm"), norm("post_attention_layernorm"), norm("pre_feedforward_layernorm"),
+             norm("post_feedforward_layernorm"), norm("q_norm", attn), norm("k_norm", attn)]
+    attention = [linear_tensors(attn.qkv_proj, parts=2), linear_tensors(attn.o_proj)]
+    if isinstance(mlp, SparseMoE):
+        experts = stacked_experts(mlp)
+        return [norms, *attention, [EMPTY] * 4,
+                None if experts is None else [*linear_tensors(mlp.gate), *experts]]
+    return [norms, *attention, linear_tensors(mlp.gate_up_proj), linear_tensors(mlp.down_proj), [EMPTY] * 6]
 
 
 def layer_weights(block) -> list[torch.Tensor]:
@@ -49,10 +105,8 @@ def layer_weights(block) -> list[torch.Tensor]:
 
 
 def model_supported(model) -> bool:
-    """Float32 embeddings on the CPU, a dense MLP in every layer (decode_step.cpp has no mixture-of-experts block)
-    and every linear one decode_step.cpp runs."""
-    if any(not hasattr(block.mlp, "gate_up_proj") for block in model.layers):
-        return False
+    """Float32 embeddings on the CPU, and every linear one decode_step.cpp runs (an MoE block's experts all of one
+    kind and shape)."""
     layers_ok = all(group is not None for block in model.layers for group in layer_tensors(block))
     return (model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.device.type == "cpu"
             and layers_ok)
@@ -63,7 +117,8 @@ def layer_args(model) -> dict:
     c = model.config
     return dict(windows=[c.sliding_window if c.is_sliding(i) else 0 for i in range(c.num_hidden_layers)],
                 H=c.num_attention_heads, K=c.num_key_value_heads, hd=c.head_dim, eps=c.rms_norm_eps,
-                scale=c.attention_scale, sandwich=c.family == "gemma3", gelu=c.hidden_act.startswith("gelu"))
+                scale=c.attention_scale, sandwich=c.family == "gemma3", gelu=c.hidden_act.startswith("gelu"),
+                top_k=c.num_experts_per_tok, norm_topk=c.norm_topk_prob)
 
 
 class NativeDecoder:
@@ -127,7 +182,7 @@ class NativeDecoder:
             x, self.weights[start * SLOTS:stop * SLOTS], positions, torch.arange(slot0, slot0 + T),
             torch.tensor([0, T]), torch.tensor([slot0]), ZERO_TABLE, m.max_seq_len,
             EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local, a["windows"][start:stop],
-            a["H"], a["K"], a["hd"], a["eps"], a["scale"], a["sandwich"], a["gelu"])
+            a["H"], a["K"], a["hd"], a["eps"], a["scale"], a["sandwich"], a["gelu"], a["top_k"], a["norm_topk"])
 
 
 def native_decoder(model) -> NativeDecoder | None:

@@ -93,7 +93,7 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
     """Returns (config, weights, rope_freq_factors, gguf_file). `progress` wraps an iterable, e.g. rich's track."""
     f = GGUFFile(path)
     config = gguf_config(f)
-    tensors = [(hf_name(t.name, config.family), t) for t in f.tensors.values()] + list(expert_tensors(f).items())
+    tensors = [(hf_name(t.name, config.family), t) for t in f.tensors.values()] + list(expert_tensors(f)[0].items())
     if progress is not None:
         tensors = progress(tensors)
     weights, freq_factors = {}, None

@@ -15,10 +15,11 @@ from fastdecode.loading.gguf_file import GGUFFile, GGUFTensor
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
-def expert_tensors(f: GGUFFile) -> dict[str, GGUFTensor]:
-    """Hugging Face name (`layers.N.mlp.experts.E.gate_proj.weight`) -> that expert's (rows, cols) tensor; empty for
+def expert_tensors(f: GGUFFile) -> tuple[dict[str, GGUFTensor], dict[str, GGUFTensor]]:
+    """-> ({Hugging Face name (`layers.N.mlp.experts.E.gate_proj.weight`): that expert's (rows, cols) tensor},
+    {`layers.N.mlp.experts.gate_proj.weight`: all the layer's experts as one (experts * rows, cols) tensor}); empty for
     a dense model. Shared-expert tensors (`ffn_*_shexp`, Qwen2-MoE and DeepSeek layouts) are refused."""
-    out = {}
+    out, stacks = {}, {}
     for t in f.tensors.values():
         parts = t.name.split(".")  # blk.{i}.{name}.weight
         if len(parts) != 4 or parts[0] != "blk":
@@ -30,8 +31,10 @@ def expert_tensors(f: GGUFFile) -> dict[str, GGUFTensor]:
         if len(t.shape) != 3 or t.shape[0] == 0:
             raise ModelFileError(f"{f.path}: {t.name} has shape {t.shape}, not (experts, rows, cols)")
         experts, rows, cols = t.shape
+        stacks[f"layers.{parts[1]}.mlp.experts.{EXPERT_NAMES[parts[2]]}.{parts[3]}"] = GGUFTensor(
+            t.name, (experts * rows, cols), t.type, t.data)
         size = t.data.nbytes // experts
         for e in range(experts):
             name = f"layers.{parts[1]}.mlp.experts.{e}.{EXPERT_NAMES[parts[2]]}.{parts[3]}"
             out[name] = GGUFTensor(f"{t.name}[{e}]", (rows, cols), t.type, t.data[e * size:(e + 1) * size])
-    return out
+    return out, stacks

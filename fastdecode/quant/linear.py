@@ -38,6 +38,23 @@ class QuantLinear(nn.Module):
     def mm(self, x2d: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def split(self, parts: int) -> list["QuantLinear"]:
+        """This module's rows as `parts` modules of equal height over views of its packed weight, no copy (an MoE
+        layer's experts packed as one matrix). Native backend only: its qweight is tiles of 4 whole rows (dim 0)."""
+        rows = self.out_features // parts
+        if self.backend != "native" or rows * parts != self.out_features or rows % 4:
+            raise ValueError(f"cannot split {self.out_features} {self.backend} rows into {parts} modules")
+        tiles = self.qweight.view(parts, rows // 4, *self.qweight.shape[1:])
+        out = []
+        for i in range(parts):
+            m = object.__new__(type(self))
+            m.__dict__ = {**self.__dict__, "_buffers": dict(self._buffers), "_parameters": {}, "_modules": {},
+                          "out_features": rows}
+            m.qweight = tiles[i]
+            m.bias = None if self.bias is None else self.bias[i * rows:(i + 1) * rows]
+            out.append(m)
+        return out
+
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 

@@ -43,8 +43,10 @@ class ShardArena:
     def __init__(self):
         self.pages = torch.empty(0, dtype=torch.uint8)
 
-    def join(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """{key: the parts' tensors of that key stacked along dim 0} (as torch.cat), held here until the next join."""
+    def join(self, parts: list[dict[str, torch.Tensor]], groups: int = 1) -> dict[str, torch.Tensor]:
+        """{key: the parts' tensors of that key stacked along dim 0} (as torch.cat), held here until the next join.
+        With groups > 1 each part is `groups` runs of rows, joined run by run (an MoE layer's experts: part p's rows
+        of expert e follow the earlier parts' rows of expert e)."""
         if len(parts) == 1:
             return parts[0]
         sizes = {k: sum(p[k].numel() for p in parts) * t.element_size() for k, t in parts[0].items()}
@@ -55,11 +57,12 @@ class ShardArena:
         for k, size in sizes.items():
             first = parts[0][k]
             rows = sum(p[k].shape[0] for p in parts)
-            out[k] = joined = self.pages[at:at + size].view(first.dtype).view(rows, *first.shape[1:])
-            start = 0
+            out[k] = self.pages[at:at + size].view(first.dtype).view(rows, *first.shape[1:])
+            joined, start = out[k].view(groups, rows // groups, *first.shape[1:]), 0
             for p in parts:
-                move(joined[start:start + p[k].shape[0]], p[k])
-                start += p[k].shape[0]
+                n = p[k].shape[0] // groups
+                move(joined[:, start:start + n], p[k].view(groups, n, *first.shape[1:]))
+                start += n
             at += -(-size // 64) * 64
         return out
 

@@ -14,6 +14,9 @@ from fastdecode.config import ModelConfig
 from fastdecode.errors import UnsupportedModelError
 from fastdecode.loading import load_model
 from fastdecode.loading.gguf_file import GGUFFile
+from fastdecode.loading.gguf_loader import block_tensors
+from fastdecode.loading.gguf_moe import expert_tensors
+from fastdecode.kernels.decoder import stacked_experts
 from fastdecode.loading.gguf_native import load_gguf_native
 from fastdecode.models.moe import Router, SparseMoE
 from fastdecode.quant import Int8Linear, KQuantLinear, quantize_model
@@ -51,6 +54,25 @@ def test_gguf_experts_kept_in_their_format_match_transformers(quantized):
     assert ours.tokens == ref.tokens
 
 
+@pytest.mark.parametrize("source", ["gguf_q8_0", "hf_f32"])
+def test_the_native_step_reads_each_layers_experts_as_one_stack_held_once(source):
+    """A GGUF's experts are packed as one matrix per layer and projection (each expert a view of it); a model built
+    otherwise is stacked once, its experts becoming views of the stack. Either way no weight is held twice."""
+    path = quantized_checkpoint("qwen3_moe").gguf_path if source == "gguf_q8_0" else checkpoint("qwen3_moe").hf_dir
+    model = load_model(path, quant="gguf" if source == "gguf_q8_0" else None)
+    moe = model.layers[0].mlp
+    name = "qweight" if source == "gguf_q8_0" else "weight"
+    before = [getattr(e.gate_up_proj, name).data_ptr() for e in moe.experts]
+    gate_up, _, down, _ = stacked_experts(moe)
+    assert stacked_experts(moe)[0] is gate_up  # made once
+    assert gate_up.shape[0] == down.shape[0] == len(moe.experts)
+    for e, expert in enumerate(moe.experts):
+        assert getattr(expert.gate_up_proj, name).data_ptr() == gate_up[e].data_ptr()
+        assert getattr(expert.down_proj, name).data_ptr() == down[e].data_ptr()
+    if source == "gguf_q8_0":  # already one stack: viewed, not copied
+        assert before == [gate_up[e].data_ptr() for e in range(len(moe.experts))]
+
+
 def test_k_quant_experts_are_kquant_modules_holding_the_files_values():
     # As Q4_K_M files store them: experts Q4_K, down projections Q6_K, the router F32.
     path = kquant_gguf("qwen3_moe_k", {"ffn_down_exps": QType.Q6_K, "ffn_gate_inp": QType.F32})
@@ -62,8 +84,19 @@ def test_k_quant_experts_are_kquant_modules_holding_the_files_values():
                 w = ref.get_submodule(f"layers.{layer}.mlp.experts.{e}.{name}").weight
                 assert isinstance(m, KQuantLinear) and m.kind == kind
                 assert torch.equal(m(torch.eye(w.shape[1])).T, w)
+    # Loaded for the native kernels, each layer's experts are packed as one matrix: expert e's slice holds exactly
+    # the tiles its own tensors pack into.
+    stacked = load_model(path, quant="gguf")
+    per_expert, _ = expert_tensors(GGUFFile(path))
+    for layer, e in ((0, 0), (1, 3)):
+        name = f"layers.{layer}.mlp.experts.{e}"
+        pack = lambda proj, kind: KQuantLinear(block_tensors(per_expert[f"{name}.{proj}.weight"])["blocks"],  # noqa
+                                               kind).qweight
+        assert torch.equal(stacked.get_submodule(f"{name}.gate_up_proj").qweight,
+                           torch.cat([pack("gate_proj", "q4_k"), pack("up_proj", "q4_k")]))
+        assert torch.equal(stacked.get_submodule(f"{name}.down_proj").qweight, pack("down_proj", "q6_k"))
     tokens = torch.tensor([PROMPT])
-    expected, out = logits(ref, tokens), logits(load_model(path, quant="gguf"), tokens)
+    expected, out = logits(ref, tokens), logits(stacked, tokens)
     assert (out - expected).norm() / expected.norm() < 0.05  # native kernels round activations to int8 per block
 
 
@@ -93,7 +126,7 @@ def test_quantize_model_leaves_the_router_float_and_quantizes_every_expert():
 def test_engine_greedy_output_equals_transformers_generate_or_runs_alone(quantized):
     ckpt = quantized_checkpoint("qwen3_moe") if quantized else checkpoint("qwen3_moe")
     llm = LLM(str(ckpt.gguf_path), max_seq_len=128, kv_dtype="float32")
-    assert llm.decode_path == "pytorch"  # the native step has no MoE block and declines
+    assert llm.decode_path == "native"  # decode_step.cpp's MoE block
     prompts = ["def f(x):", "return [a, b]"]
     # Submitted together, the engine runs both sequences' rows through one forward per step.
     params = SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)
@@ -107,6 +140,22 @@ def test_engine_greedy_output_equals_transformers_generate_or_runs_alone(quantiz
             ref = ckpt.model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS,
                                       min_new_tokens=GREEDY_TOKENS, do_sample=False)
         assert out.token_ids == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("speculate", ["auto", "layerskip"])
+def test_speculation_on_moe_is_lossless(speculate):
+    """Verify steps route several rows at once (more experts per step); greedy tokens must equal plain decoding on
+    the same path. auto: the engine's model-free drafters; layerskip: the target's first layers as the drafter, on
+    the single-request static cache (whose attention splits keys unlike the paged cache's blocks: an ulp apart, which
+    int8 activations can turn into another token on this random model's near ties)."""
+    path = str(quantized_checkpoint("qwen3_moe").gguf_path)
+    prompts = ["def f(x):\n    return x + 1\n\ndef f(x):", "a b c a b c a b"]
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    plain = LLM(path, max_seq_len=128, speculate="none", engine=speculate == "auto")
+    spec = LLM(path, max_seq_len=128, speculate=speculate)
+    assert spec.decode_path == "native"
+    for prompt in prompts:
+        assert spec.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------
