@@ -27,11 +27,12 @@ def expert_tensors(f: GGUFFile) -> dict[str, GGUFTensor]:
             raise UnsupportedModelError(f"{f.path}: shared-expert tensors ({t.name}) are not supported")
         if parts[2] not in EXPERT_NAMES:
             continue
-        if len(t.shape) != 3 or t.shape[0] == 0:
-            raise ModelFileError(f"{f.path}: {t.name} has shape {t.shape}, not (experts, rows, cols)")
-        experts, rows, cols = t.shape
+        bias = parts[3] == "bias"  # gpt-oss: (experts, rows)
+        if len(t.shape) != 3 - bias or t.shape[0] == 0:
+            raise ModelFileError(f"{f.path}: {t.name} has shape {t.shape}, not (experts, rows{'' if bias else ', cols'})")
+        experts, shape = t.shape[0], t.shape[1:]
         size = t.data.nbytes // experts
         for e in range(experts):
             name = f"layers.{parts[1]}.mlp.experts.{e}.{EXPERT_NAMES[parts[2]]}.{parts[3]}"
-            out[name] = GGUFTensor(f"{t.name}[{e}]", (rows, cols), t.type, t.data[e * size:(e + 1) * size])
+            out[name] = GGUFTensor(f"{t.name}[{e}]", shape, t.type, t.data[e * size:(e + 1) * size])
     return out
