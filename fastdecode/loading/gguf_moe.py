@@ -1,5 +1,5 @@
-"""A GGUF MoE file's stacked expert tensors (llama.cpp's qwen3moe) as one 2-D tensor per expert, named as Hugging
-Face names them.
+"""A GGUF MoE file's stacked expert tensors (llama.cpp's qwen3moe, gpt-oss) as one 2-D tensor per expert (gpt-oss's
+expert biases: one vector each), named as Hugging Face names them.
 
 llama.cpp stores each layer's experts as one (n_expert, rows, cols) tensor per projection: `blk.N.ffn_gate_exps`,
 `ffn_up_exps`, `ffn_down_exps`. Quant blocks run along a row, so expert e is the e-th contiguous run of the tensor's
@@ -29,7 +29,8 @@ def expert_tensors(f: GGUFFile) -> dict[str, GGUFTensor]:
             continue
         bias = parts[3] == "bias"  # gpt-oss: (experts, rows)
         if len(t.shape) != 3 - bias or t.shape[0] == 0:
-            raise ModelFileError(f"{f.path}: {t.name} has shape {t.shape}, not (experts, rows{'' if bias else ', cols'})")
+            want = "(experts, rows)" if bias else "(experts, rows, cols)"
+            raise ModelFileError(f"{f.path}: {t.name} has shape {t.shape}, not {want}")
         experts, shape = t.shape[0], t.shape[1:]
         size = t.data.nbytes // experts
         for e in range(experts):

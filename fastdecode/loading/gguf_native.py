@@ -2,8 +2,9 @@
 model ever exists.
 
 - Q8_0 -> Int8Linear, Q4_0/Q4_1 -> Int4Linear (groups of 32), Q4_K/Q5_K/Q6_K -> KQuantLinear, MXFP4 (gpt-oss's
-  experts) -> Fp4Linear, value for value (block_tensors). Q5_0/Q5_1 have no 5-bit kernel: their values go into Int8Linear, still exactly (d * (q - 16) is
-  int8 q with Q8_0's scale, d * q + m the asymmetric int8 block), at 8.5 bits a weight instead of 5.5.
+  experts) -> Fp4Linear, value for value (block_tensors). Q5_0/Q5_1 have no 5-bit kernel: their values go into
+  Int8Linear, still exactly (d * (q - 16) is int8 q with Q8_0's scale, d * q + m the asymmetric int8 block), at 8.5
+  bits a weight instead of 5.5.
 - A module holds one layout, so a packed q/k/v of Q4_K q/k beside a Q6_K v (Q4_K_M files do this in about half
   their layers) is a RowSplitLinear of two kept modules; a qkv of Q5_0 q/k beside a Q8_0 v is one (both int8 blocks
   without offsets). Other quantized types (Q2_K/Q3_K), and other packed modules whose shards need different layouts:
