@@ -1,30 +1,28 @@
 """gpt-oss against transformers' GptOssForCausalLM: attention sinks, alternating windowed layers, YaRN, router and
 expert biases and the clamped SwiGLU, from safetensors (float, and MXFP4 blocks kept in Fp4Linear) and GGUF (F32 and
-MXFP4 experts); MXFP4 decoding equal to both references bit for bit; unsupported layouts refused in one line."""
+MXFP4 experts); MXFP4 decoding equal to both references bit for bit; unsupported layouts refused in one line.
+YaRN's tables are tests/layers/test_rotary.py's."""
 import json
 import shutil
 
 import numpy as np
 import pytest
 import torch
-import transformers
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize, quantize
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from fastdecode import LLM, SamplingParams
 from fastdecode.config import ModelConfig
 from fastdecode.errors import UnsupportedModelError
 from fastdecode.kernels.decoder import model_supported
-from fastdecode.layers.rotary import rope_cache
 from fastdecode.loading import load_model
 from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_loader import block_tensors
 from fastdecode.loading.gpt_oss import split_gate_up
 from fastdecode.quant.fp4 import Fp4Linear
 from tests.helpers.checkpoints import max_diff, our_run, prompt_tokens, reference_run, single_thread
-from tests.helpers.gpt_oss import YARN, build, gguf_checkpoint, hf_checkpoint
+from tests.helpers.gpt_oss import build, gguf_checkpoint, hf_checkpoint
 
 PROMPT = prompt_tokens(24)
 STEPS = 32
@@ -78,7 +76,7 @@ def test_engine_greedy_output_equals_transformers_generate(kind):
         assert out.token_ids == reference_run(ref_model, llm.encode_prompt(prompt), 23).tokens
 
 
-# ---- MXFP4 and YaRN, exactly ---------------------------------------------------------------------------------
+# ---- MXFP4, exactly ---------------------------------------------------------------------------------------
 def random_mxfp4(shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (*shape, 16), generator=g, dtype=torch.uint8)
@@ -103,19 +101,6 @@ def test_gguf_mxfp4_blocks_decode_as_gguf_py_bit_for_bit():
     t = type("T", (), {"shape": (5, 96), "type": QType.MXFP4, "data": raw})
     m = Fp4Linear("mxfp4", block_tensors(t), None)
     assert torch.equal(m.dequantize(), torch.from_numpy(dequantize(raw, QType.MXFP4).reshape(5, 96)))
-
-
-@pytest.mark.parametrize("truncate", [False, True])  # gpt-oss's config; transformers' default (Qwen's YaRN)
-def test_yarn_tables_equal_transformers(truncate):
-    config = transformers.GptOssConfig(head_dim=64, num_attention_heads=4, hidden_size=64,
-                                       rope_parameters={**YARN, "truncate": truncate, "factor": 32.0,
-                                                        "original_max_position_embeddings": 4096})
-    rotary = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(config)
-    cos, sin = rotary(torch.zeros(1), torch.arange(300)[None])
-    ours = rope_cache(64, 300, YARN["rope_theta"], config.rope_parameters)
-    assert torch.equal(ours[0, :, :32], cos[0]) and torch.equal(ours[1, :, :32], sin[0])
-    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
-    assert factor != 1.0 and torch.equal(ours[0, :, 32:], ours[0, :, :32])
 
 
 def test_config_reads_gpt_oss_from_config_json_and_gguf():
