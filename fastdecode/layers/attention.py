@@ -27,20 +27,35 @@ class KVCache(nn.Module):
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
            sinks: torch.Tensor | None) -> torch.Tensor:
-    """Scaled dot-product attention of q (..., heads, T, hd) over k, v (..., kv_heads, S, hd); mask (T, S) bool or
-    None (all visible). `sinks` (heads,): gpt-oss's learned logits that join each softmax's denominator and attend to
-    nothing. SDPA has no such term, so they ride as one extra key of zeros (its q.k is exactly 0) whose additive
-    mask entry is the sink and whose value is zero."""
-    gqa = k.shape[-3] != q.shape[-3]
+    """Scaled dot-product attention of q (B, heads, T, hd) over k, v (B, kv_heads, S, hd) (or all without B); mask
+    (T, S) bool or None (all visible). `sinks` (heads,): gpt-oss's learned logits that join each softmax's denominator
+    and attend to nothing."""
     if sinks is None:
+        gqa = k.shape[-3] != q.shape[-3]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    return (sink_attention_lse if q.device.type == "cpu" else sink_attention_key)(q, k, v, bias, scale, sinks)
+
+
+def sink_attention_lse(q, k, v, bias, scale, sinks):
+    """softmax([scores, sink]) @ [v; 0] = softmax(scores) @ v * e^lse / (e^lse + e^sink), with the row's log-sum-exp
+    lse (B, heads, T) that the CPU flash kernel returns beside its output; bias (T, S) is shared by every head."""
+    n = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(n, -3), v.repeat_interleave(n, -3)  # the kernel has no grouped-query form
+    batched = [t if t.dim() == 4 else t.unsqueeze(0) for t in (q, k, v)]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*batched, attn_mask=bias, scale=scale)
+    return (out * torch.sigmoid(lse - sinks.float()[:, None]).unsqueeze(-1).to(out.dtype)).view(q.shape)
+
+
+def sink_attention_key(q, k, v, bias, scale, sinks):
+    """Any device: the sinks ride as one more key of zeros (its q.k is exactly 0) whose additive mask entry is the
+    sink and whose value is zero (a (heads, T, S + 1) mask: the sink differs per head)."""
     heads, T, S = q.shape[-3], q.shape[-2], k.shape[-2]
-    bias = torch.zeros(T, S, dtype=q.dtype) if mask is None else torch.zeros(T, S, dtype=q.dtype).masked_fill(
-        ~mask, float("-inf"))
+    bias = torch.zeros(T, S, dtype=q.dtype, device=q.device) if bias is None else bias.to(q.device)
     bias = torch.cat([bias.expand(heads, T, S), sinks.to(q.dtype)[:, None, None].expand(heads, T, 1)], dim=-1)
     zeros = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
     return F.scaled_dot_product_attention(q, torch.cat([k, zeros], -2), torch.cat([v, zeros], -2), attn_mask=bias,
-                                          scale=scale, enable_gqa=gqa)
+                                          scale=scale, enable_gqa=k.shape[-3] != heads)
 
 
 class Attention(nn.Module):
