@@ -15,13 +15,14 @@ HF_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-               "gemma3_text": "gemma3", "gemma3": "gemma3"}
-SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3")
+               "gemma3_text": "gemma3", "gemma3": "gemma3", "gpt_oss": "gpt_oss"}
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "yarn")
 # GGUF `general.architecture` values we read.
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                      "gemma3": "gemma3"}
+                      "gemma3": "gemma3", "gpt-oss": "gpt_oss"}
 # config.json keys of MoE layouts other families use; a qwen3_moe config that sets one is refused, not half-run.
 UNSUPPORTED_MOE_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
                         "first_k_dense_replace", "n_group", "topk_group")
@@ -29,7 +30,7 @@ UNSUPPORTED_MOE_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "
 
 @dataclass
 class ModelConfig:
-    family: str  # llama | qwen2 | qwen3 | qwen3_moe | gemma3: picks the block variant
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | gemma3 | gpt_oss: picks the block variant
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -57,12 +58,26 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     decoder_sparse_step: int = 1  # layer i is sparse iff (i + 1) % step == 0 and i is not in mlp_only_layers
     mlp_only_layers: list[int] = field(default_factory=list)
+    # gpt-oss only: its experts' clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate) with gate <= limit and
+    # |up| <= limit; None means the plain SwiGLU.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
 
     @property
     def qk_norm(self) -> bool:
         return self.family in ("qwen3", "qwen3_moe", "gemma3")
+
+    @property
+    def attention_sinks(self) -> bool:
+        """gpt-oss: one learned logit per head joins each softmax's denominator (attention may go to no token)."""
+        return self.family == "gpt_oss"
+
+    @property
+    def moe_bias(self) -> bool:
+        """gpt-oss: its router and experts carry biases."""
+        return self.family == "gpt_oss"
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` has an MoE block (transformers' Qwen3MoeDecoderLayer rule)."""
@@ -116,7 +131,7 @@ class ModelConfig:
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", family == "gemma3"),
-            attention_bias=cfg.get("attention_bias", family == "qwen2"),
+            attention_bias=cfg.get("attention_bias", family in ("qwen2", "gpt_oss")),
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if family == "gemma3" else None,
             sliding_window=cfg.get("sliding_window") if family == "gemma3" else None,
@@ -135,6 +150,8 @@ class ModelConfig:
             c.rope_local_base_freq = c.rope_theta  # windowed layers outside Gemma keep the model's rope base
         if family == "qwen3_moe":
             read_hf_moe(c, cfg)
+        if family == "gpt_oss":
+            read_hf_gpt_oss(c, cfg)
         if cfg.get("model_type") == "mistral" and cfg.get("sliding_window"):
             c.sliding_window = cfg["sliding_window"]  # Mistral 7B v0.1: every layer attends within a window
             c.layer_types = ["sliding_attention"] * c.num_hidden_layers
@@ -186,8 +203,10 @@ class ModelConfig:
         scaling, kind = None, get("rope.scaling.type", "none")
         if kind == "linear":
             scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        elif kind == "yarn":
+            scaling = gguf_yarn(get, truncate=family != "gpt_oss")
         elif kind != "none":
-            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (only linear and llama3)")
+            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (only linear, llama3 and yarn)")
         c = cls(
             family=family,
             vocab_size=vocab,
@@ -212,6 +231,8 @@ class ModelConfig:
             c.attention_bias = True
         if family == "qwen3_moe":
             read_gguf_moe(c, get)
+        if family == "gpt_oss":
+            read_gguf_gpt_oss(c, get)
         if family == "gemma3":
             # llama.cpp's rule (GGUF has no key for it): the 27B (62 layers) scales by hidden/heads (= its
             # query_pre_attn_scalar, 168), every other size by head_dim.
@@ -255,3 +276,49 @@ def read_gguf_moe(c: ModelConfig, get):
     c.moe_intermediate_size = get("expert_feed_forward_length")
     c.norm_topk_prob = bool(get("expert_weights_norm", True))
     c.intermediate_size = c.intermediate_size or c.moe_intermediate_size  # dense width: unused, every layer is sparse
+
+
+def gguf_yarn(get, truncate: bool) -> dict:
+    """llama.cpp's YaRN keys in transformers' rope_parameters form. `truncate` (round the correction range to whole
+    dimensions) has no key: transformers' default is true, gpt-oss's config.json sets it false."""
+    return {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": truncate}
+
+
+def gpt_oss_layer_types(num_layers: int) -> list[str]:
+    # transformers' GptOssConfig default and llama.cpp's swa pattern 2: even layers slide, odd ones see everything.
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+
+
+def read_hf_gpt_oss(c: ModelConfig, cfg: dict):
+    """gpt-oss: every layer sparse, top-k softmax over the chosen logits (so renormalised), experts as wide as
+    intermediate_size, alternating windowed layers. Its experts load as float or MXFP4 blocks, nothing else."""
+    method = (cfg.get("quantization_config") or {}).get("quant_method", "mxfp4")
+    if method != "mxfp4":
+        raise UnsupportedModelError(f"gpt_oss: quantization_config quant_method {method!r} is not supported "
+                                    "(float or mxfp4 experts only)")
+    c.num_experts = cfg.get("num_local_experts", cfg.get("num_experts", 0))
+    c.num_experts_per_tok = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token", 0)
+    c.moe_intermediate_size = c.intermediate_size
+    c.norm_topk_prob = True
+    c.swiglu_limit = float(cfg.get("swiglu_limit", 7.0))
+    c.swiglu_alpha = float(cfg.get("swiglu_alpha", 1.702))
+    c.sliding_window = cfg.get("sliding_window")
+    c.layer_types = cfg.get("layer_types") or gpt_oss_layer_types(c.num_hidden_layers)
+    c.rms_norm_eps = cfg.get("rms_norm_eps", 1e-5)
+
+
+def read_gguf_gpt_oss(c: ModelConfig, get):
+    """gpt-oss GGUF metadata (llama.cpp's `gpt-oss` architecture). llama.cpp fixes the SwiGLU limit (7.0) and alpha
+    (1.702) and the alternating window pattern; its converter writes no key for them."""
+    c.num_experts = get("expert_count")
+    c.num_experts_per_tok = get("expert_used_count")
+    c.moe_intermediate_size = get("expert_feed_forward_length")
+    c.intermediate_size = c.intermediate_size or c.moe_intermediate_size
+    c.norm_topk_prob = True
+    c.attention_bias = True
+    c.swiglu_limit = 7.0
+    c.sliding_window = get("attention.sliding_window")
+    c.layer_types = gpt_oss_layer_types(c.num_hidden_layers)

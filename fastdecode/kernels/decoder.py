@@ -106,7 +106,9 @@ def layer_weights(block) -> list[torch.Tensor]:
 
 def model_supported(model) -> bool:
     """Float32 embeddings on the CPU, and every linear one decode_step.cpp runs (an MoE block's experts all of one
-    kind and shape)."""
+    kind and shape). gpt-oss is not: its attention sinks, clamped SwiGLU and softmax after the top-k are not there."""
+    if model.config.family == "gpt_oss":
+        return False
     layers_ok = all(group is not None for block in model.layers for group in layer_tensors(block))
     return (model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.device.type == "cpu"
             and layers_ok)

@@ -25,6 +25,39 @@ class KVCache(nn.Module):
         return self.k[:, :, kv_start:end], self.v[:, :, kv_start:end]
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           sinks: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention of q (B, heads, T, hd) over k, v (B, kv_heads, S, hd) (or all without B); mask
+    (T, S) bool or None (all visible). `sinks` (heads,): gpt-oss's learned logits that join each softmax's denominator
+    and attend to nothing."""
+    if sinks is None:
+        gqa = k.shape[-3] != q.shape[-3]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    return (sink_attention_lse if q.device.type == "cpu" else sink_attention_key)(q, k, v, bias, scale, sinks)
+
+
+def sink_attention_lse(q, k, v, bias, scale, sinks):
+    """softmax([scores, sink]) @ [v; 0] = softmax(scores) @ v * e^lse / (e^lse + e^sink), with the row's log-sum-exp
+    lse (B, heads, T) that the CPU flash kernel returns beside its output; bias (T, S) is shared by every head."""
+    n = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(n, -3), v.repeat_interleave(n, -3)  # the kernel has no grouped-query form
+    batched = [t if t.dim() == 4 else t.unsqueeze(0) for t in (q, k, v)]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*batched, attn_mask=bias, scale=scale)
+    return (out * torch.sigmoid(lse - sinks.float()[:, None]).unsqueeze(-1).to(out.dtype)).view(q.shape)
+
+
+def sink_attention_key(q, k, v, bias, scale, sinks):
+    """Any device: the sinks ride as one more key of zeros (its q.k is exactly 0) whose additive mask entry is the
+    sink and whose value is zero (a (heads, T, S + 1) mask: the sink differs per head)."""
+    heads, T, S = q.shape[-3], q.shape[-2], k.shape[-2]
+    bias = torch.zeros(T, S, dtype=q.dtype, device=q.device) if bias is None else bias.to(q.device)
+    bias = torch.cat([bias.expand(heads, T, S), sinks.to(q.dtype)[:, None, None].expand(heads, T, 1)], dim=-1)
+    zeros = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    return F.scaled_dot_product_attention(q, torch.cat([k, zeros], -2), torch.cat([v, zeros], -2), attn_mask=bias,
+                                          scale=scale, enable_gqa=k.shape[-3] != heads)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -38,8 +71,10 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         # q, k and v projections packed into one matmul (the loader concatenates their rows).
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        # Llama's attention_bias covers o_proj too; Qwen2's q/k/v biases do not.
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias and config.family == "llama")
+        # Llama's and gpt-oss's attention_bias covers o_proj too; Qwen2's q/k/v biases do not.
+        self.o_proj = nn.Linear(q_size, config.hidden_size,
+                                bias=config.attention_bias and config.family in ("llama", "gpt_oss"))
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -62,8 +97,7 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin).to(v.dtype)  # (B, heads, T, head_dim)
         k = apply_rotary(k.transpose(1, 2), cos, sin).to(v.dtype)
         k, v = self.kv_cache.update(start, k, v, kv_start)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                           enable_gqa=self.num_kv_heads != self.num_heads)
+        y = attend(q, k, v, mask, self.scale, self.sinks)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, k_cache: torch.Tensor,
@@ -102,7 +136,6 @@ class Attention(nn.Module):
                 mask = torch.cat([torch.ones(r1 - r0, ctx, dtype=torch.bool), batch.tree_mask[r0:r1, r0:r1]], 1)
             if self.window:
                 mask &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.window
-            out[:, r0:r1] = F.scaled_dot_product_attention(
-                q[:, r0:r1], k_cache[:, slots].to(q.dtype), v_cache[:, slots].to(q.dtype), attn_mask=mask,
-                scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+            out[:, r0:r1] = attend(q[:, r0:r1], k_cache[:, slots].to(q.dtype), v_cache[:, slots].to(q.dtype), mask,
+                                   self.scale, self.sinks)
         return self.o_proj(out.transpose(0, 1).reshape(R, -1))

@@ -22,9 +22,41 @@ def inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -> tor
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, blended, scaled)
+    if kind == "yarn":
+        return yarn_inverse_frequencies(head_dim, base, scaling)
     if kind == "freq_factors":  # llama.cpp stores llama3 scaling as a `rope_freqs` tensor of divisors
         return inv_freq / scaling["factors"].float()
     raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+def yarn_inverse_frequencies(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071) as transformers computes it: dimensions that turn more than beta_fast times over the
+    original context keep their frequency, those under beta_slow are divided by `factor`, a linear ramp between."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """YaRN scales cos and sin (so q.k by its square) to keep attention's entropy as the context stretches."""
+    if ((scaling or {}).get("rope_type") or (scaling or {}).get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    mscale = lambda scale, m=1: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0  # noqa: E731
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 def rope_cache(head_dim: int, max_positions: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -32,7 +64,7 @@ def rope_cache(head_dim: int, max_positions: int, base: float, scaling: dict | N
     inv_freq = inverse_frequencies(head_dim, base, scaling)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return torch.stack([angles.cos(), angles.sin()])
+    return torch.stack([angles.cos(), angles.sin()]) * attention_factor(scaling)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -66,9 +66,16 @@ def check_parameter_count(config, weights: dict[str, torch.Tensor], path: Path):
     except (RuntimeError, ValueError, OverflowError) as e:  # sizes no tensor can have
         reason = str(e).splitlines()[0]
         raise ModelFileError(f"{path}: the config describes no model that can be built ({reason})") from None
-    held = sum(w.numel() for w in weights.values()) + config.vocab_size * config.hidden_size  # + a tied head
+    held = sum(numel(w) for w in weights.values()) + config.vocab_size * config.hidden_size  # + a tied head
     if wanted > held:
         raise ModelFileError(f"{path}: the config's shapes need {wanted} parameters, the checkpoint holds {held}")
+
+
+def numel(w: torch.Tensor | nn.Module) -> int:
+    """Weights a tensor or a kept quantized module (gpt-oss's MXFP4 experts) stands for."""
+    if isinstance(w, nn.Module):
+        return w.in_features * w.out_features + (0 if w.bias is None else w.bias.numel())
+    return w.numel()
 
 
 @contextmanager

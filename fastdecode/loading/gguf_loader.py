@@ -16,7 +16,7 @@ from fastdecode.loading.gguf_moe import expert_tensors
 
 # Types gguf can dequantize and we have checked against transformers; others are refused with a clear message.
 SUPPORTED_TYPES = {getattr(GGMLQuantizationType, n) for n in (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")}
 
 GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                 "output.weight": "lm_head.weight"}
@@ -30,6 +30,8 @@ BLOCK_NAMES = {
 GEMMA3_BLOCK_NAMES = {**BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
+# gpt-oss: llama.cpp names the norm before the MoE block post_attention_norm; the sinks are one vector per layer.
+GPT_OSS_BLOCK_NAMES = {**BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn"}
 
 
 def hf_name(gguf_name: str, family: str) -> str | None:
@@ -38,9 +40,11 @@ def hf_name(gguf_name: str, family: str) -> str | None:
     parts = gguf_name.split(".")  # blk.{i}.{name}.{weight|bias}
     if len(parts) != 4 or parts[0] != "blk":
         return None
-    names = GEMMA3_BLOCK_NAMES if family == "gemma3" else BLOCK_NAMES
+    names = {"gemma3": GEMMA3_BLOCK_NAMES, "gpt_oss": GPT_OSS_BLOCK_NAMES}.get(family, BLOCK_NAMES)
     if parts[2] not in names:
         return None
+    if parts[2] == "attn_sinks":  # blk.N.attn_sinks.weight -> layers.N.self_attn.sinks
+        return f"layers.{parts[1]}.self_attn.sinks"
     return f"layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
 
 
@@ -108,6 +112,17 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
     return config, weights, freq_factors, f
 
 
+def mxfp4_tensors(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GGUF MXFP4 blocks (N, K/32, 17): an E8M0 byte, then 16 bytes whose byte j holds element j in its low nibble and
+    element j + 16 in its high one -> Fp4Linear's {"qweight" (N, K/2) (element 2i low), "scales" (N, K/32)}. The codes
+    are E2M1's (llama.cpp's kvalues are the values doubled, and its scale 2^(e - 128) halves them back), so this moves
+    nibbles and changes no value."""
+    N, blocks, _ = raw.shape
+    qs = raw[..., 1:]
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1).view(N, blocks * 32)
+    return {"qweight": codes[:, 0::2] | codes[:, 1::2] << 4, "scales": raw[..., 0].contiguous()}
+
+
 # Block types our int8/int4 modules hold value for value (bytes per block of 32 weights): Q8_0 is d (fp16) and 32
 # int8; Q4_0 is d and 16 bytes of nibbles, w = d * (q - 8); Q4_1 is d, m and the nibbles, w = d * q + m. A block's
 # byte j holds q[j] in its low nibble and q[j + 16] in its high one.
@@ -137,6 +152,8 @@ def block_tensors(t, heads: int | None = None) -> dict[str, torch.Tensor]:
     are whole blocks, so it moves bytes, not values (a copy)."""
     N, K = t.shape
     data = t.data if heads is None else unpermute_rows(np.asarray(t.data).reshape(N, -1), heads)
+    if t.type == GGMLQuantizationType.MXFP4:
+        return mxfp4_tensors(file_view(data).view(N, K // 32, 17))
     if t.type in K_BLOCK_BYTES:
         return {"blocks": file_view(data).view(N, K // 256, K_BLOCK_BYTES[t.type])}
     raw = file_view(data).view(N, K // 32, BLOCK_BYTES[t.type])

@@ -1,5 +1,5 @@
-"""A GGUF MoE file's stacked expert tensors (llama.cpp's qwen3moe) as one 2-D tensor per expert, named as Hugging
-Face names them.
+"""A GGUF MoE file's stacked expert tensors (llama.cpp's qwen3moe, gpt-oss) as one 2-D tensor per expert (gpt-oss's
+expert biases: one vector each), named as Hugging Face names them.
 
 llama.cpp stores each layer's experts as one (n_expert, rows, cols) tensor per projection: `blk.N.ffn_gate_exps`,
 `ffn_up_exps`, `ffn_down_exps`. Quant blocks run along a row, so expert e is the e-th contiguous run of the tensor's
@@ -28,13 +28,15 @@ def expert_tensors(f: GGUFFile) -> tuple[dict[str, GGUFTensor], dict[str, GGUFTe
             raise UnsupportedModelError(f"{f.path}: shared-expert tensors ({t.name}) are not supported")
         if parts[2] not in EXPERT_NAMES:
             continue
-        if len(t.shape) != 3 or t.shape[0] == 0:
-            raise ModelFileError(f"{f.path}: {t.name} has shape {t.shape}, not (experts, rows, cols)")
-        experts, rows, cols = t.shape
+        bias = parts[3] == "bias"  # gpt-oss: (experts, rows)
+        if len(t.shape) != 3 - bias or t.shape[0] == 0:
+            want = "(experts, rows)" if bias else "(experts, rows, cols)"
+            raise ModelFileError(f"{f.path}: {t.name} has shape {t.shape}, not {want}")
+        experts, shape = t.shape[0], t.shape[1:]
         stacks[f"layers.{parts[1]}.mlp.experts.{EXPERT_NAMES[parts[2]]}.{parts[3]}"] = GGUFTensor(
-            t.name, (experts * rows, cols), t.type, t.data)
+            t.name, (experts * shape[0], *shape[1:]), t.type, t.data)
         size = t.data.nbytes // experts
         for e in range(experts):
             name = f"layers.{parts[1]}.mlp.experts.{e}.{EXPERT_NAMES[parts[2]]}.{parts[3]}"
-            out[name] = GGUFTensor(f"{t.name}[{e}]", (rows, cols), t.type, t.data[e * size:(e + 1) * size])
+            out[name] = GGUFTensor(f"{t.name}[{e}]", shape, t.type, t.data[e * size:(e + 1) * size])
     return out, stacks

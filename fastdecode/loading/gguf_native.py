@@ -1,9 +1,10 @@
 """GGUF file -> a model whose matrices keep the file's own formats, built one module at a time: no float copy of the
 model ever exists.
 
-- Q8_0 -> Int8Linear, Q4_0/Q4_1 -> Int4Linear (groups of 32), Q4_K/Q5_K/Q6_K -> KQuantLinear, value for value
-  (block_tensors). Q5_0/Q5_1 have no 5-bit kernel: their values go into Int8Linear, still exactly (d * (q - 16) is
-  int8 q with Q8_0's scale, d * q + m the asymmetric int8 block), at 8.5 bits a weight instead of 5.5.
+- Q8_0 -> Int8Linear, Q4_0/Q4_1 -> Int4Linear (groups of 32), Q4_K/Q5_K/Q6_K -> KQuantLinear, MXFP4 (gpt-oss's
+  experts) -> Fp4Linear, value for value (block_tensors). Q5_0/Q5_1 have no 5-bit kernel: their values go into
+  Int8Linear, still exactly (d * (q - 16) is int8 q with Q8_0's scale, d * q + m the asymmetric int8 block), at 8.5
+  bits a weight instead of 5.5.
 - A module holds one layout, so a packed q/k/v of Q4_K q/k beside a Q6_K v (Q4_K_M files do this in about half
   their layers) is a RowSplitLinear of two kept modules; a qkv of Q5_0 q/k beside a Q8_0 v is one (both int8 blocks
   without offsets). Other quantized types (Q2_K/Q3_K), and other packed modules whose shards need different layouts:
@@ -42,7 +43,8 @@ from fastdecode.quant.split import RowSplitLinear
 log = logging.getLogger(__name__)
 
 KEPT = {QType.Q8_0: "int8", QType.Q5_0: "int8", QType.Q5_1: "int8",  # GGML type -> the scheme that holds it as is
-        QType.Q4_0: "int4", QType.Q4_1: "int4", QType.Q4_K: "q4_k", QType.Q5_K: "q5_k", QType.Q6_K: "q6_k"}
+        QType.Q4_0: "int4", QType.Q4_1: "int4", QType.Q4_K: "q4_k", QType.Q5_K: "q5_k", QType.Q6_K: "q6_k",
+        QType.MXFP4: "mxfp4"}
 WITH_MINS = {QType.Q5_1}  # int8 blocks with an offset: a module cannot mix them with symmetric ones
 FLOAT_TYPES = {QType.F32, QType.F16, QType.BF16}
 SHARDS: dict[str, list[str]] = {}  # our packed module -> its Hugging Face shards, in packing order
@@ -157,9 +159,16 @@ class ModuleLoader:
             return None
         scheme, K = KEPT.get(shards[0].type), shards[0].shape[1]
         rows = sum(t.shape[0] for t in shards) // E
-        if scheme is None or rows % 4 or not fits(scheme, rows, K, 32):
+        if scheme in (None, "mxfp4") or rows % 4 or not fits(scheme, rows, K, 32):  # Fp4Linear: no tiles to split
             return None
-        stack = build_linear(self.arena.join([block_tensors(t) for t in shards], groups=E), scheme, None, K, 32)
+        bias = None
+        if self.config.moe_bias:  # gpt-oss: (experts, rows) per shard, joined expert by expert as the weights
+            biases = [self.expert_stacks.get(f"{prefix}.{s}.bias") for s in SHARDS.get(leaf, [leaf])]
+            if any(t is None for t in biases):
+                return None
+            bias = torch.cat([torch.from_numpy(float_tensor(t, t.name, self.config)).view(E, -1) for t in biases],
+                             dim=1).flatten()
+        stack = build_linear(self.arena.join([block_tensors(t) for t in shards], groups=E), scheme, bias, K, 32)
         self.arena.release(stack)
         if stack.backend != "native":
             return None

@@ -9,6 +9,7 @@ from safetensors import SafetensorError, safe_open
 
 from fastdecode.config import ModelConfig
 from fastdecode.errors import ModelFileError
+from fastdecode.loading.gpt_oss import expert_modules
 
 PREFIXES = ("model.language_model.", "language_model.model.", "model.")  # plain and multimodal Gemma 3 layouts
 
@@ -23,7 +24,8 @@ def read_config(path: Path) -> ModelConfig:
 
 
 def load_hf_dir(path, dtype: torch.dtype = torch.float32, progress=None):
-    """Returns (config, weights) with names stripped of their `model.` prefix."""
+    """Returns (config, weights) with names stripped of their `model.` prefix; gpt-oss's expert stacks come split per
+    expert, MXFP4 ones as modules (loading/gpt_oss.py)."""
     path = Path(path)
     config = read_config(path)
     shards = sorted(path.glob("*.safetensors"))
@@ -39,7 +41,10 @@ def load_hf_dir(path, dtype: torch.dtype = torch.float32, progress=None):
                     name = next((key[len(p):] for p in PREFIXES if key.startswith(p)), key)
                     if name.startswith(("vision_tower", "multi_modal_projector")):
                         continue
-                    weights[name] = f.get_tensor(key).to(dtype)
+                    t = f.get_tensor(key)
+                    weights[name] = t.to(dtype) if t.is_floating_point() else t  # MXFP4 blocks stay bytes
         except (OSError, RuntimeError, SafetensorError) as e:  # SafetensorError: truncated or not safetensors
             raise ModelFileError(f"cannot read {shard}: {e}") from None
+    if config.family == "gpt_oss":
+        weights = expert_modules(weights)
     return config, weights

@@ -3,7 +3,7 @@ from fastdecode.errors import UnsupportedModelError
 from fastdecode.models.transformer import Transformer
 
 MODEL_CLASSES = {"llama": Transformer, "qwen2": Transformer, "qwen3": Transformer, "qwen3_moe": Transformer,
-                 "gemma3": Transformer}
+                 "gemma3": Transformer, "gpt_oss": Transformer}
 
 
 def model_class(family: str):

@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts block of Qwen3-MoE: a router picks each token's top-k experts, and only those run.
+"""The sparse mixture-of-experts block of Qwen3-MoE and gpt-oss: a router picks each token's top-k experts, and only
+those run.
 
 The batch's rows are grouped by expert, so each routed expert's weights are read once per forward however many rows
 chose it (the verify step's draft tokens, several sequences); experts no row chose are not touched. Module names
@@ -23,13 +24,18 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = Router(config.hidden_size, config.num_experts, bias=False)
+        self.softmax_after_topk = config.family == "gpt_oss"
+        self.gate = Router(config.hidden_size, config.num_experts, bias=config.moe_bias)
         self.experts = nn.ModuleList(expert(config, config.moe_intermediate_size) for _ in range(config.num_experts))
         self.stacked: list[torch.Tensor] | None = None  # the experts' weights stacked for the native step (decoder.py)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (R, D) -> top-k weights (R, k) in x's dtype and expert ids (R, k), as transformers' Qwen3MoeTopKRouter:
-        softmax in float32 over all experts, then the top k, renormalised when norm_topk_prob."""
+        softmax in float32 over all experts, then the top k, renormalised when norm_topk_prob; or as
+        GptOssTopKRouter: the top k logits, then their softmax (the same weights, rounded in another order)."""
+        if self.softmax_after_topk:
+            logits, experts = self.gate(x).topk(self.top_k, dim=-1)
+            return F.softmax(logits, dim=-1).to(x.dtype), experts
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:

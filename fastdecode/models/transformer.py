@@ -1,8 +1,9 @@
-"""One decoder-only transformer for the Llama, Qwen2, Qwen3, Qwen3-MoE and Gemma 3 families.
+"""One decoder-only transformer for the Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 and gpt-oss families.
 
 The families differ in a few switches read from ModelConfig: q/k/v bias (Qwen2), q/k RMSNorm (Qwen3, Gemma 3),
 a sparse mixture-of-experts block in place of the MLP (Qwen3-MoE, models/moe.py), and for Gemma 3 a scaled
-embedding, four norms per block, GELU-tanh and sliding-window layers with their own rope base. Module names follow
+embedding, four norms per block, GELU-tanh and sliding-window layers with their own rope base; gpt-oss adds attention
+sinks (layers/attention.py), router and expert biases and a clamped SwiGLU. Module names follow
 Hugging Face checkpoints, except the packed qkv_proj and gate_up_proj.
 """
 import math
@@ -29,12 +30,16 @@ class MLP(nn.Module):
         """width: the inner size, config.intermediate_size unless given (an MoE expert's is smaller)."""
         super().__init__()
         width = width or config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=False)
-        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=config.moe_bias)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=config.moe_bias)
         self.gelu = config.hidden_act.startswith("gelu")
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.limit is not None:  # gpt-oss: clamped, and the up branch offset by one
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)
 
@@ -88,7 +93,9 @@ class Transformer(nn.Module):
         if self.rope_freq_factors is not None:
             scaling = {"rope_type": "freq_factors", "factors": self.rope_freq_factors}
         self.rope_global = rope_cache(c.head_dim, max_seq_len, c.rope_theta, scaling).to(device)
-        self.rope_local = rope_cache(c.head_dim, max_seq_len, c.rope_local_base_freq, None).to(device)
+        # Gemma 3's windowed layers rotate unscaled at their own base; elsewhere every layer rotates alike.
+        local_scaling = None if c.family == "gemma3" else scaling
+        self.rope_local = rope_cache(c.head_dim, max_seq_len, c.rope_local_base_freq, local_scaling).to(device)
 
     def setup_cache(self, max_seq_len: int, batch: int = 1, dtype: torch.dtype | None = None):
         """Allocates the static KV cache (the reference forward's, one sequence per batch row) and the rope tables
@@ -155,9 +162,20 @@ class Transformer(nn.Module):
 
     # ---- weights -----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]):
+    def load_weights(self, weights: dict[str, torch.Tensor | nn.Module]):
         """Copies Hugging Face-named weights (without the `model.` prefix) into the model, packing q/k/v and
-        gate/up. Shapes are asserted: a mismatch means a wrong config, never a silent broadcast."""
+        gate/up. Shapes are asserted: a mismatch means a wrong config, never a silent broadcast. A module (a quantized
+        linear the checkpoint holds as is) replaces the module of its name."""
+        for name, m in [(n, m) for n, m in weights.items() if isinstance(m, nn.Module)]:
+            try:
+                old = self.get_submodule(name)
+            except AttributeError:
+                raise ValueError(f"checkpoint module {name} has no place in the model (unsupported variant?)") from None
+            if (m.out_features, m.in_features) != (old.out_features, old.in_features):
+                raise ValueError(f"{name}: checkpoint shape {(m.out_features, m.in_features)} != model shape "
+                                 f"{(old.out_features, old.in_features)}")
+            self.set_submodule(name, m)
+        weights = {n: w for n, w in weights.items() if not isinstance(w, nn.Module)}
         params = dict(self.named_parameters())
         packed: dict[str, list] = {}
         loaded = set()

@@ -123,7 +123,8 @@ class Fp4Linear(QuantLinear):
             raise ValueError(f"{fmt}: in_features {self.in_features} does not match scales {tuple(t['scales'].shape)}")
         self.register_buffer("qweight", t["qweight"].to(torch.uint8).contiguous())
         self.register_buffer("scales", t["scales"].to(torch.uint8).contiguous())
-        self.register_buffer("tensor_scale", t["tensor_scale"].float().reshape(()))
+        # MXFP4 has no tensor scale: files holding its blocks (GGUF, gpt-oss safetensors) give none.
+        self.register_buffer("tensor_scale", t.get("tensor_scale", torch.tensor(1.0)).float().reshape(()))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.backend = backend or ("lut" if lut_ops() is not None else "dequant")
         self.table = scale_table(fmt, self.tensor_scale)  # not a buffer: derived, and not part of the weight bytes
