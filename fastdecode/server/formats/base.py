@@ -55,6 +55,8 @@ class ToolParser:
     newlines between calls never become text."""
     starts: tuple[str, ...] = ()
     special_markers: tuple[str, ...] = ()  # markers that are special tokens in the format's vocabularies
+    stop_markers: tuple[str, ...] = ()  # special tokens that end the reply in place of end-of-sequence (harmony's)
+    channels = False  # True: the format carries reasoning and answer itself, so every reply is read through it
 
     def __init__(self, tools: dict[str, dict | None]):
         self.tools = tools
