@@ -93,7 +93,8 @@ def chat_prompt(body: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
     template = llm.tokenizer.chat_template
     knows_tools = template_knows_tools(template)
     taught = tool_format(template)
-    rendered = template_messages(messages, tools, knows_tools, taught.template_call_id)
+    rendered = [taught.template_message(m) for m in template_messages(messages, tools, knows_tools,
+                                                                      taught.template_call_id)]
     options = template_options(body)
     ids = encode(lambda: llm.chat_prompt(rendered, tools if tools and knows_tools else None, options))
     # A forced call is written in the Hermes form its grammar spells, from the first token: no reasoning first.

@@ -172,6 +172,9 @@ HARMONY = """{%- macro TYPE(spec) %}
 {%- for future in loop_messages[loop.index:] %}
 {%- if future.role == "assistant" and not future.tool_calls %}{% set later.final = true %}{% endif %}
 {%- endfor %}
+{%- if message.content and message.thinking %}
+{{- raise_exception("Cannot pass both content and thinking in an assistant message with tool calls!") }}
+{%- endif %}
 {%- set reasoning = message.thinking or message.content %}
 {%- if reasoning and not later.final %}
 {{- "<|start|>assistant<|channel|>analysis<|message|>" + reasoning + "<|end|>" }}

@@ -90,6 +90,13 @@ def test_a_finished_turn_renders_as_openai_harmony_renders_it(harmony):
     assert rendered(harmony, messages=messages, tools=[{"type": "function", "function": TOOL}]) == expected
 
 
+def test_a_preamble_beside_reasoning_joins_it_as_the_template_demands(harmony):
+    """gpt-oss's template refuses a call's message with both text and reasoning."""
+    messages = [*CALL_TURN[:2], {**CALL_TURN[2], "content": "Let me check."}, CALL_TURN[3]]
+    assert "<|channel|>analysis<|message|>Need the weather tool.\n\nLet me check.<|end|>" in rendered(
+        harmony, messages=messages, tools=[{"type": "function", "function": TOOL}])
+
+
 def chat(llm, script, stream=False, **kw):
     """(content, reasoning, [(name, arguments)], finish_reason) of the reply to `script`; streamed deltas are checked
     for leaked harmony markup."""

@@ -70,6 +70,11 @@ class ToolParser:
         """A call id as the format's chat template accepts it."""
         return call_id
 
+    @staticmethod
+    def template_message(message: dict) -> dict:
+        """A message, as the chat template sees it, in the form the format's templates accept."""
+        return message
+
     def read_call(self, text: str, final: bool) -> tuple[list[dict] | None, int] | None:
         """`text` starts with one of `starts`. Returns (calls, used): the first `used` characters are one call
         block and `calls` what it says (None: it is not a valid call, so it is text); or None while more text may

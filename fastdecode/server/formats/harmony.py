@@ -44,6 +44,14 @@ class HarmonyParser(ToolParser):
         self.buffer, self.kind = "", None
         return events
 
+    @staticmethod
+    def template_message(message: dict) -> dict:
+        """gpt-oss's template renders a call's text or its reasoning as the analysis before it, and refuses a message
+        with both: a preamble the model said before the call joins the reasoning."""
+        if message.get("tool_calls") and message.get("content") and message.get("thinking"):
+            message = {**message, "thinking": f"{message['thinking']}\n\n{message['content']}", "content": None}
+        return message
+
     def _drain(self, final: bool) -> list[Event]:
         events = []
         while self.buffer:
