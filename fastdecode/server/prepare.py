@@ -93,16 +93,17 @@ def chat_prompt(body: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
     template = llm.tokenizer.chat_template
     knows_tools = template_knows_tools(template)
     taught = tool_format(template)
-    rendered = template_messages(messages, tools, knows_tools, taught.template_call_id)
+    rendered = [taught.template_message(m) for m in template_messages(messages, tools, knows_tools,
+                                                                      taught.template_call_id)]
     options = template_options(body)
     ids = encode(lambda: llm.chat_prompt(rendered, tools if tools and knows_tools else None, options))
     # A forced call is written in the Hermes form its grammar spells, from the first token: no reasoning first.
     parser = HermesParser if forced else taught
     reasoning = None if forced else reasoning_in(template, llm.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
     reply = None
-    if tools or reasoning:
-        reply = ReplyFormat(parser if tools else None, {t["function"]["name"]: t["function"].get("parameters")
-                                                        for t in tools}, reasoning)
+    if tools or reasoning or parser.channels:
+        reply = ReplyFormat(parser if tools or parser.channels else None,
+                            {t["function"]["name"]: t["function"].get("parameters") for t in tools}, reasoning)
     return ChatPrompt(ids, reply, forced)
 
 
@@ -112,11 +113,14 @@ NO_THINKING = ("none", "minimal")
 
 def template_options(body: ChatCompletionRequest) -> dict:
     """The chat template's extra variables: the request's chat_template_kwargs, and from its reasoning_effort both
-    `reasoning_effort` (gpt-oss's templates read the level) and `enable_thinking` (Qwen3's hybrid templates render an
-    empty reasoning block when it is false, so the model answers at once); the kwargs win where both set one."""
+    `reasoning_effort` (gpt-oss's templates read the level: low, medium or high, as it cannot turn reasoning off) and
+    `enable_thinking` (Qwen3's hybrid templates render an empty reasoning block when it is false, so the model answers
+    at once); the kwargs win where both set one."""
     options = {}
-    if body.reasoning_effort is not None:
-        options = {"reasoning_effort": body.reasoning_effort, "enable_thinking": body.reasoning_effort not in NO_THINKING}
+    effort = body.reasoning_effort
+    if effort is not None:
+        options = {"reasoning_effort": "low" if effort in NO_THINKING else effort,
+                   "enable_thinking": effort not in NO_THINKING}
     return {**options, **(body.chat_template_kwargs or {})}
 
 
@@ -131,6 +135,11 @@ def chat_request(body: ChatCompletionRequest, served: ServedModel, prompt: ChatP
     if prompt.reply is not None:  # the format's special-token markers stay in the text for its parser
         token_id = served.llm.tokenizer.backend.token_to_id
         params.keep_token_ids = [i for i in map(token_id, prompt.reply.special_markers) if i is not None]
+        ends = [i for i in map(token_id, prompt.reply.stop_markers) if i is not None]
+        if ends and grammar is None and not params.ignore_eos:
+            # Harmony's replies end at <|return|> or <|call|>; the vocabulary's end-of-turn tokens include <|end|>,
+            # which ends each message of a reply and so must not stop it.
+            params.stop_token_ids, params.ignore_eos = [*params.stop_token_ids, *ends], True
     return EngineRequest(prompt.ids, params, processor, prompt.reply)
 
 
@@ -191,6 +200,8 @@ def message_dict(m) -> dict:
         out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    if m.role == "assistant" and m.reasoning_content:
+        out["reasoning_content"] = m.reasoning_content
     return out
 
 

@@ -63,6 +63,7 @@ class ChatMessage(Lenient):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier reply's reasoning, as this server returned it
 
 
 class FunctionDefinition(Strict):

@@ -38,6 +38,8 @@ def template_messages(messages: list[dict], tools: list[dict] | None, knows_tool
         m = dict(m)
         if m["role"] == "developer":
             m["role"] = "system"
+        if m.get("reasoning_content"):  # Qwen3's templates read reasoning_content, gpt-oss's `thinking`
+            m["thinking"] = m["reasoning_content"]
         calls = m.get("tool_calls")
         if calls and knows_tools:
             m["tool_calls"] = [{**c, "id": call_id(c["id"]), "function": {**c["function"], "arguments": loads_object(

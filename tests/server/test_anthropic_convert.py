@@ -31,7 +31,7 @@ def test_tool_use_and_results_become_tool_calls_and_tool_messages():
     roles = [m.role for m in body.messages]
     assert roles == ["user", "assistant", "tool", "tool", "user"]
     call = body.messages[1].tool_calls[0]
-    assert body.messages[1].content is None  # the thinking block is left out
+    assert body.messages[1].content is None and body.messages[1].reasoning_content == "hmm"  # thinking: reasoning
     assert (call.id, call.function.name, call.function.arguments) == ("toolu_1", "get_weather", '{"city": "Oslo"}')
     assert [m.content for m in body.messages[2:]] == ["sunny", "Error: timeout", "and tomorrow?"]
     assert body.tools[0].function.parameters == TOOL["input_schema"]

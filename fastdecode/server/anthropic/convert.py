@@ -45,9 +45,10 @@ def chat_body(body: MessagesInput) -> ChatCompletionRequest:
             **({"description": t.description} if t.description is not None else {})}} for t in body.tools]
     if body.tool_choice is not None:
         fields["tool_choice"] = tool_choice(body.tool_choice)
-    # As with Claude, no `thinking` means no reasoning: a template that can turn it off (Qwen3's) is told to.
+    # As with Claude, no `thinking` means no reasoning: a template that can turn it off (Qwen3's) is told to, one that
+    # can only lower it (gpt-oss's) is given the lowest level.
     thinks = body.thinking is not None and body.thinking.type != "disabled"
-    fields["chat_template_kwargs"] = {"enable_thinking": thinks}
+    fields["chat_template_kwargs"] = {"enable_thinking": thinks, **({} if thinks else {"reasoning_effort": "low"})}
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, ignore_eos=body.ignore_eos)
@@ -87,10 +88,12 @@ def conversation(messages: list[Message]) -> list[dict]:
 
 
 def assistant_message(i: int, blocks, tool_use_ids: set[str]) -> dict:
-    texts, calls = [], []
+    texts, calls, thoughts = [], [], []
     for b in blocks:
         if b.type == "text":
             texts.append(b.text)
+        elif b.type == "thinking" and b.thinking:
+            thoughts.append(b.thinking)
         elif b.type == "tool_use":
             tool_use_ids.add(b.id)
             calls.append({"id": b.id, "type": "function", "function": {
@@ -100,6 +103,8 @@ def assistant_message(i: int, blocks, tool_use_ids: set[str]) -> dict:
     message = {"role": "assistant", "content": "\n".join(texts) if texts or not calls else None}
     if calls:
         message["tool_calls"] = calls
+    if thoughts:  # templates decide whether an earlier turn's reasoning is shown (gpt-oss's: before a call)
+        message["reasoning_content"] = "\n".join(thoughts)
     return message
 
 

@@ -34,8 +34,9 @@ class ToolResultBlock(Lenient):
     is_error: bool | None = None
 
 
-class ThinkingBlock(Lenient):  # an earlier reply's reasoning; the prompt leaves it out
+class ThinkingBlock(Lenient):  # an earlier reply's reasoning: the assistant message's reasoning_content
     type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None  # redacted blocks carry none
 
 
 Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock],

@@ -1,21 +1,24 @@
 """How a chat reply is read: tool calls in the format the model's chat template teaches, and reasoning text split
 from the answer. The format is chosen from the markers the template renders, not from the model's name.
 
-| template renders            | tool calls read as                                               |
-|-----------------------------|------------------------------------------------------------------|
-| `<parameter=` (Qwen3-Coder) | `<tool_call><function=NAME><parameter=P>...` (XML)               |
-| `[TOOL_CALLS]` (Mistral)    | `[TOOL_CALLS][{...}]` or `[TOOL_CALLS]NAME[ARGS]{...}`           |
-| anything else               | Hermes/Qwen2.5 `<tool_call>{json}</tool_call>`, Llama 3.1 JSON   |
+| template renders            | tool calls read as                                                    |
+|-----------------------------|-----------------------------------------------------------------------|
+| `<|channel|>` (gpt-oss)     | harmony messages: analysis, `commentary to=functions.NAME`, final     |
+| `<parameter=` (Qwen3-Coder) | `<tool_call><function=NAME><parameter=P>...` (XML)                    |
+| `[TOOL_CALLS]` (Mistral)    | `[TOOL_CALLS][{...}]` or `[TOOL_CALLS]NAME[ARGS]{...}`                |
+| anything else               | Hermes/Qwen2.5 `<tool_call>{json}</tool_call>`, Llama 3.1 JSON        |
 
 A template that renders `</think>` makes the reply's leading `<think>...</think>` reasoning; one whose generation
-prompt ends in `<think>` starts the reply inside it. Every parser takes text deltas and returns events,
-("content", text), ("reasoning", text) and ("tool_call", call), and holds back whatever may still become a marker.
+prompt ends in `<think>` starts the reply inside it. Harmony's channels carry reasoning themselves, so its parser
+reads every reply. Every parser takes text deltas and returns events, ("content", text), ("reasoning", text) and
+("tool_call", call), and holds back whatever may still become a marker.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from fastdecode.server.formats.base import Event, ToolParser
+from fastdecode.server.formats.harmony import HarmonyParser
 from fastdecode.server.formats.hermes import HermesParser
 from fastdecode.server.formats.mistral import MistralParser
 from fastdecode.server.formats.qwen3_coder import Qwen3CoderParser
@@ -25,10 +28,11 @@ from fastdecode.server.formats.reasoning import ReasoningParser
 
 # (what the template renders, the parser): the first match wins; Hermes reads templates that teach no format and
 # the tools-in-the-system-message prompt given to templates that know no tools.
-TOOL_FORMATS: list[tuple[str, type[ToolParser]]] = [("<parameter=", Qwen3CoderParser), ("[TOOL_CALLS]", MistralParser)]
+TOOL_FORMATS: list[tuple[str, type[ToolParser]]] = [("<|channel|>", HarmonyParser), ("<parameter=", Qwen3CoderParser),
+                                                    ("[TOOL_CALLS]", MistralParser)]
 
-__all__ = ["Event", "HermesParser", "MistralParser", "Qwen3CoderParser", "ReasoningParser", "ReplyFormat", "ToolParser",
-           "reasoning_in", "tool_format"]
+__all__ = ["Event", "HarmonyParser", "HermesParser", "MistralParser", "Qwen3CoderParser", "ReasoningParser",
+           "ReplyFormat", "ToolParser", "reasoning_in", "tool_format"]
 
 
 def tool_format(chat_template: str | None) -> type[ToolParser]:
@@ -46,7 +50,7 @@ def reasoning_in(chat_template: str | None, prompt_tail: str) -> str | None:
 @dataclass
 class ReplyFormat:
     """What a reply is parsed for, when it holds more than text; one parser per response comes from parser()."""
-    tool_parser: type[ToolParser] | None = None  # None: no tools offered, no calls read
+    tool_parser: type[ToolParser] | None = None  # None: no tools offered (and no channels), no calls read
     tools: dict[str, dict | None] | None = None  # name -> parameters schema of each offered tool
     reasoning: str | None = None  # see reasoning_in
 
@@ -57,3 +61,7 @@ class ReplyFormat:
     @property
     def special_markers(self) -> tuple[str, ...]:
         return self.tool_parser.special_markers if self.tool_parser is not None else ()
+
+    @property
+    def stop_markers(self) -> tuple[str, ...]:
+        return self.tool_parser.stop_markers if self.tool_parser is not None else ()

@@ -55,6 +55,8 @@ class ToolParser:
     newlines between calls never become text."""
     starts: tuple[str, ...] = ()
     special_markers: tuple[str, ...] = ()  # markers that are special tokens in the format's vocabularies
+    stop_markers: tuple[str, ...] = ()  # special tokens that end the reply in place of end-of-sequence (harmony's)
+    channels = False  # True: the format carries reasoning and answer itself, so every reply is read through it
 
     def __init__(self, tools: dict[str, dict | None]):
         self.tools = tools
@@ -67,6 +69,11 @@ class ToolParser:
     def template_call_id(call_id: str) -> str:
         """A call id as the format's chat template accepts it."""
         return call_id
+
+    @staticmethod
+    def template_message(message: dict) -> dict:
+        """A message, as the chat template sees it, in the form the format's templates accept."""
+        return message
 
     def read_call(self, text: str, final: bool) -> tuple[list[dict] | None, int] | None:
         """`text` starts with one of `starts`. Returns (calls, used): the first `used` characters are one call

@@ -34,13 +34,19 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def conversation(items) -> list[dict]:
-    """Input items -> OpenAI messages; function calls join the assistant message before them, as a chat model
-    wrote them."""
+    """Input items -> OpenAI messages; reasoning opens an assistant message, and its answer and function calls join
+    it, as a chat model wrote them."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out, call_ids = [], set()
     for i, item in enumerate(items):
-        if item.type == "message":
+        if item.type == "reasoning" and any(p.text for p in item.content or []):
+            out.append({"role": "assistant", "content": None,
+                        "reasoning_content": "\n".join(p.text for p in item.content if p.text)})
+        elif item.type == "message" and item.role == "assistant" and out and out[-1]["role"] == "assistant" \
+                and out[-1]["content"] is None and "tool_calls" not in out[-1]:  # the answer after its reasoning
+            out[-1]["content"] = text(item.content)
+        elif item.type == "message":
             out.append({"role": item.role, "content": text(item.content)})
         elif item.type == "function_call":
             call_ids.add(item.call_id)
@@ -55,6 +61,7 @@ def conversation(items) -> list[dict]:
                 raise ApiError(400, f"No tool call found for function call output with call_id {item.call_id}.",
                                f"input.{i}.call_id")
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": text(item.output)})
+    out = [m for m in out if m["content"] is not None or "tool_calls" in m]  # reasoning that led to nothing
     if not out:
         raise ApiError(400, "input holds no message", "input")
     return out

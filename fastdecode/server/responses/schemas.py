@@ -34,8 +34,14 @@ class FunctionCallOutputItem(Lenient):
     output: str | list[TextPart]
 
 
-class ReasoningItem(Lenient):  # an earlier reply's reasoning; the prompt leaves it out
+class ReasoningText(Lenient):
+    type: str  # reasoning_text
+    text: str = ""
+
+
+class ReasoningItem(Lenient):  # an earlier reply's reasoning: the reasoning_content of the assistant turn it opens
     type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
 
 
 def item_type(item) -> str:
