@@ -626,23 +626,40 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor* w, int64_t top_k, bool nor
     TORCH_CHECK(0 <= ID[i] && ID[i] < E, "router chose expert ", ID[i], " of ", E);
     chosen[ID[i]].push_back(i);
   }
-  at::Tensor out = at::zeros_like(h);
-  float* OUT = out.data_ptr<float>();
+  std::vector<int64_t> routed;  // the experts some row chose
+  size_t most = 0;
+  for (int64_t e = 0; e < E; ++e)
+    if (!chosen[e].empty()) routed.push_back(e), most = std::max(most, chosen[e].size());
   const auto part = [](const at::Tensor& t, int64_t e) { return present(t) ? t[e] : t; };
-  for (int64_t e = 0; e < E; ++e) {
-    if (chosen[e].empty()) continue;
-    const int64_t n = chosen[e].size();
-    at::Tensor rows = at::empty({n}, at::kLong);
-    for (int64_t r = 0; r < n; ++r) rows.data_ptr<int64_t>()[r] = chosen[e][r] / top_k;
-    at::Tensor gu = linear(n == T ? h : h.index_select(0, rows), w[EXPERT_GU_W][e], part(w[EXPERT_GU_B], e));
+  std::vector<at::Tensor> rows(routed.size()), outs(routed.size());
+  const auto run = [&](size_t i) {  // routed expert i's SwiGLU over its rows -> outs[i] (n, D)
+    const int64_t e = routed[i], n = chosen[e].size();
+    rows[i] = at::empty({n}, at::kLong);
+    for (int64_t r = 0; r < n; ++r) rows[i].data_ptr<int64_t>()[r] = chosen[e][r] / top_k;
+    at::Tensor gu = linear(n == T ? h : h.index_select(0, rows[i]), w[EXPERT_GU_W][e], part(w[EXPERT_GU_B], e));
     const int64_t I = gu.size(1) / 2;
     for (int64_t r = 0; r < n; ++r) gated_activation(gu.data_ptr<float>() + r * 2 * I, I, gelu);
-    at::Tensor d = linear(gu.narrow(1, 0, I), w[EXPERT_DOWN_W][e], part(w[EXPERT_DOWN_B], e));
-    for (int64_t r = 0; r < n; ++r) {
-      const float g = WT[chosen[e][r]];
-      const float* src = d.data_ptr<float>() + r * D;
-      float* dst = OUT + rows.data_ptr<int64_t>()[r] * D;
-      for (int64_t i = 0; i < D; ++i) dst[i] += src[i] * g;
+    outs[i] = linear(gu.narrow(1, 0, I), w[EXPERT_DOWN_W][e], part(w[EXPERT_DOWN_B], e));
+  };
+  if (most <= 4) {
+    // A decode or verify step: each expert is a few rows through matrices of ~1-2 MB, where a parallel region per
+    // matmul costs more than it splits. The threads take whole experts instead (the kernels inside run on one
+    // thread, with the same result: they split over output rows, never over a sum).
+    at::parallel_for(0, routed.size(), 1, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) run(i);
+    });
+  } else {
+    for (size_t i = 0; i < routed.size(); ++i) run(i);
+  }
+  at::Tensor out = at::zeros_like(h);
+  float* OUT = out.data_ptr<float>();
+  for (size_t i = 0; i < routed.size(); ++i) {  // in expert order, whichever thread ran each
+    const std::vector<int64_t>& choices = chosen[routed[i]];
+    for (size_t r = 0; r < choices.size(); ++r) {
+      const float g = WT[choices[r]];
+      const float* src = outs[i].data_ptr<float>() + r * D;
+      float* dst = OUT + rows[i].data_ptr<int64_t>()[r] * D;
+      for (int64_t j = 0; j < D; ++j) dst[j] += src[j] * g;
     }
   }
   return out;

@@ -98,7 +98,12 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         added = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         self.special_ids = set(added.values())
-        self.eos_token_ids = list(dict.fromkeys([*eos_token_ids, *(added[t] for t in END_OF_TURN if t in added)]))
+        ends = [*eos_token_ids, *(added[t] for t in END_OF_TURN if t in added)]
+        if "<|return|>" in added and "<|call|>" in added:
+            # Harmony (gpt-oss), as llama.cpp reads it: <|end|> closes each message of a reply (the reasoning before
+            # the answer), so the reply ends at <|return|> or at a tool call's <|call|>.
+            ends = [i for i in ends if i != added.get("<|end|>")] + [added["<|call|>"]]
+        self.eos_token_ids = list(dict.fromkeys(ends))
         if chat_template is None:
             chat_template = GEMMA_TEMPLATE if backend.token_to_id("<start_of_turn>") is not None else CHATML_TEMPLATE
         self.chat_template = chat_template

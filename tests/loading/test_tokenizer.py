@@ -289,3 +289,16 @@ def test_vectorised_splits_equal_plain_loop_on_a_real_vocabulary(smollm2_path):
     tokens = list(dict.fromkeys(GGUFFile(smollm2_path).metadata["tokenizer.ggml.tokens"]))
     priority = -np.arange(len(tokens), dtype=np.float64)
     assert derive_merges(tokens, priority) == order_merges(tokens, priority, *exact_splits(tokens))
+
+
+def test_harmony_replies_end_at_return_or_call_not_at_each_messages_end(tiny):
+    """gpt-oss ends each message of a reply (its reasoning, then its answer) with <|end|>: stopping there would cut
+    the reply after its reasoning."""
+    backend = Backend.from_str(tiny.backend.to_str())
+    backend.add_special_tokens(["<|end|>", "<|return|>", "<|call|>"])
+    end, ret, call = map(backend.token_to_id, ("<|end|>", "<|return|>", "<|call|>"))
+    tok = Tokenizer(backend, None, [end])  # a file naming <|end|> its end token is read the same way
+    assert end not in tok.eos_token_ids and {ret, call} <= set(tok.eos_token_ids)
+    phi = Backend.from_str(tiny.backend.to_str())
+    phi.add_special_tokens(["<|end|>"])  # Phi-3: <|end|> does end the turn
+    assert phi.token_to_id("<|end|>") in Tokenizer(phi, None, []).eos_token_ids
