@@ -40,12 +40,23 @@ class Shape:
     rope_theta: float
     eps: float
     qkv_bias: bool = False
+    head_dim: int | None = None  # hidden / heads unless given
+    qk_norm: bool = False
+    experts: int = 0  # mixture of experts: every layer's MLP is `experts` SwiGLUs of width `intermediate`
+    experts_used: int = 0  # top-k
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 SHAPES = {  # from each model's config.json
     "qwen2.5-coder-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 151936, True, 1e6, 1e-6, qkv_bias=True),
     "llama-3.2-3b": Shape("llama", 3072, 8192, 28, 24, 8, 128256, True, 5e5, 1e-5),
     "llama-3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128256, False, 5e5, 1e-5),
+    # Qwen3-30B-A3B (Qwen3-Coder-30B-A3B has the same shapes): 128 experts of width 768, 8 routed per token.
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 768, 48, 32, 4, 151936, False, 1e6, 1e-6, head_dim=128, qk_norm=True,
+                           experts=128, experts_used=8),
 }
 # The fp16 scale d per GGML type that gives random codes a weight std of about 0.02: Q4_0 d (q - 8), q uniform in
 # 0..15 (std 4.6); Q8_0 d q, q uniform int8 (std 74); Q4_K d sc q - dmin m, sc, m in 0..63 and q in 0..15 (std of sc q
@@ -58,11 +69,14 @@ TOKENIZER_SOURCE = "smollm2-135m"
 # ---- writing the files -------------------------------------------------------------------------------------------
 def tensors(s: Shape):
     """(GGUF name, PyTorch-order shape) of every tensor."""
-    head_dim = s.hidden // s.heads
+    head_dim = s.head_size
     yield "token_embd.weight", (s.vocab, s.hidden)
     for i in range(s.layers):
         b = f"blk.{i}"
         yield f"{b}.attn_norm.weight", (s.hidden,)
+        if s.qk_norm:
+            yield f"{b}.attn_q_norm.weight", (head_dim,)
+            yield f"{b}.attn_k_norm.weight", (head_dim,)
         for name, rows in (("attn_q", s.heads * head_dim), ("attn_k", s.kv_heads * head_dim),
                            ("attn_v", s.kv_heads * head_dim)):
             yield f"{b}.{name}.weight", (rows, s.hidden)
@@ -70,6 +84,12 @@ def tensors(s: Shape):
                 yield f"{b}.{name}.bias", (rows,)
         yield f"{b}.attn_output.weight", (s.hidden, s.heads * head_dim)
         yield f"{b}.ffn_norm.weight", (s.hidden,)
+        if s.experts:  # the router stays float, as llama.cpp's quantizer leaves it
+            yield f"{b}.ffn_gate_inp.weight", (s.experts, s.hidden)
+            yield f"{b}.ffn_gate_exps.weight", (s.experts, s.intermediate, s.hidden)
+            yield f"{b}.ffn_up_exps.weight", (s.experts, s.intermediate, s.hidden)
+            yield f"{b}.ffn_down_exps.weight", (s.experts, s.hidden, s.intermediate)
+            continue
         yield f"{b}.ffn_gate.weight", (s.intermediate, s.hidden)
         yield f"{b}.ffn_up.weight", (s.intermediate, s.hidden)
         yield f"{b}.ffn_down.weight", (s.hidden, s.intermediate)
@@ -93,7 +113,7 @@ def tensor_type(name: str, file_type: str, s: Shape) -> str:
     if name == "output.weight" or (name == "token_embd.weight" and s.tied):
         return "Q6_K"
     parts = name.split(".")
-    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and use_more_bits(int(parts[1]), s.layers):
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps") and use_more_bits(int(parts[1]), s.layers):
         return "Q6_K"
     return "Q4_K"
 
@@ -106,7 +126,7 @@ def random_blocks(rng, shape, qtype: str) -> np.ndarray:
 
     qt = getattr(GGMLQuantizationType, qtype)
     block, block_bytes = GGML_QUANT_SIZES[qt]
-    rows, cols = shape
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
     if qt in kquant_blocks.K_QUANTS:  # random 6-bit or int8 sub-block scales, d within a factor of 2 of the type's
         d = SCALES[qtype]
         return kquant_blocks.random_blocks(qt, rows * cols // block, rng, (d / 2, d * 2)).reshape(rows, -1)
@@ -136,8 +156,13 @@ def write_shape(path: Path, s: Shape, file_type: str, seed: int = 0):
     for key, value in [("context_length", 32768), ("embedding_length", s.hidden),
                        ("feed_forward_length", s.intermediate), ("block_count", s.layers),
                        ("attention.head_count", s.heads), ("attention.head_count_kv", s.kv_heads),
-                       ("rope.dimension_count", s.hidden // s.heads), ("vocab_size", s.vocab)]:
+                       ("rope.dimension_count", s.head_size), ("vocab_size", s.vocab),
+                       ("attention.key_length", s.head_size), ("attention.value_length", s.head_size)]:
         w.add_uint32(f"{a}.{key}", value)
+    if s.experts:
+        for key, value in [("expert_count", s.experts), ("expert_used_count", s.experts_used),
+                           ("expert_feed_forward_length", s.intermediate)]:
+            w.add_uint32(f"{a}.{key}", value)
     w.add_float32(f"{a}.rope.freq_base", s.rope_theta)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", s.eps)
     w.add_string("general.name", f"random {path.stem}")
@@ -152,22 +177,29 @@ def write_shape(path: Path, s: Shape, file_type: str, seed: int = 0):
             w.add_uint32(key, value)
     if file_type == "Q4_K":
         w.add_uint32("general.file_type", gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    specs = [(name, shape, len(shape) > 1 and tensor_type(name, file_type, s)) for name, shape in tensors(s)]
+    specs = [(name, shape, len(shape) > 1 and "ffn_gate_inp" not in name and tensor_type(name, file_type, s))
+             for name, shape in tensors(s)]
     for name, shape, qtype in specs:
         if not qtype:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
         else:
             qt = getattr(gguf.GGMLQuantizationType, qtype)
             block, block_bytes = gguf.GGML_QUANT_SIZES[qt]
-            nbytes = shape[0] * shape[1] // block * block_bytes
-            w.add_tensor_info(name, (shape[0], nbytes // shape[0]), np.dtype(np.uint8), nbytes, raw_dtype=qt)
+            nbytes = int(np.prod(shape)) // block * block_bytes
+            w.add_tensor_info(name, (*shape[:-1], shape[-1] // block * block_bytes), np.dtype(np.uint8), nbytes,
+                              raw_dtype=qt)
     tmp = path.with_suffix(".tmp")
     w.write_header_to_file(tmp)
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for name, shape, qtype in specs:  # one tensor in memory at a time
-        w.write_tensor_data(random_blocks(rng, shape, qtype) if qtype else np.ones(shape, np.float32))
+        if qtype:
+            w.write_tensor_data(random_blocks(rng, shape, qtype).reshape(*shape[:-1], -1))
+        elif "ffn_gate_inp" in name:  # a random router, so that tokens spread over the experts as trained ones do
+            w.write_tensor_data(rng.normal(0, 0.02, shape).astype(np.float32))
+        else:
+            w.write_tensor_data(np.ones(shape, np.float32))
     w.close()
     tmp.rename(path)
 
