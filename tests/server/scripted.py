@@ -3,6 +3,7 @@ detokenizer, template and formatters, with each output token forced by a logits 
 test sets. The model's weights are random; what it says is the test's, how the server reads it is under test."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from contextlib import contextmanager
@@ -57,3 +58,30 @@ def scripted_server(name: str):
         server.should_exit = True
         thread.join(30)
         llm.close()
+
+
+def chat_reply(llm, script: str, markers: tuple[str, ...], stream=False, **kw):
+    """The reply to `script` through the OpenAI SDK (llm.openai; `kw` the request's fields) as (content, reasoning,
+    [(name, arguments)], finish_reason), assembled from the stream's deltas when streamed; streamed text deltas must
+    hold none of `markers` (the format's markup leaking into text)."""
+    llm.script = script
+    kw = {"model": llm.model, **kw}
+    if not stream:
+        choice = llm.openai.chat.completions.create(**kw).choices[0]
+        m = choice.message
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []]
+        return m.content, getattr(m, "reasoning_content", None), calls, choice.finish_reason
+    content, reasoning, calls, finish = [], [], {}, None
+    for chunk in llm.openai.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        for text, out in ((delta.content, content), (getattr(delta, "reasoning_content", None), reasoning)):
+            if text:
+                assert not any(m in text for m in markers), text
+                out.append(text)
+        for tc in delta.tool_calls or []:
+            name, args = calls.get(tc.index, ("", ""))
+            calls[tc.index] = (name + (tc.function.name or ""), args + (tc.function.arguments or ""))
+    return ("".join(content) or None, "".join(reasoning) or None,
+            [(n, json.loads(a)) for n, a in calls.values()], finish)

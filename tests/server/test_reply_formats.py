@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.server.scripted import scripted_server
+from tests.server.scripted import chat_reply, scripted_server
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -36,29 +36,7 @@ qwen3_coder, mistral, qwen3, deepseek_r1 = (server(n) for n in ("qwen3_coder", "
 
 
 def chat(llm, script, stream=False, **kw):
-    """The reply to `script` as (content, reasoning, [(name, arguments)], finish_reason), assembled from the
-    stream's deltas when streamed; streamed text deltas are checked for leaked markers."""
-    llm.script = script
-    kw = {"model": llm.model, "messages": ASK, "tools": OPENAI_TOOLS, **kw}
-    if not stream:
-        choice = llm.openai.chat.completions.create(**kw).choices[0]
-        m = choice.message
-        calls = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []]
-        return m.content, getattr(m, "reasoning_content", None), calls, choice.finish_reason
-    content, reasoning, calls, finish = [], [], {}, None
-    for chunk in llm.openai.chat.completions.create(**kw, stream=True):
-        if not chunk.choices:
-            continue
-        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
-        for text, out in ((delta.content, content), (getattr(delta, "reasoning_content", None), reasoning)):
-            if text:
-                assert not any(m in text for m in MARKERS), text
-                out.append(text)
-        for tc in delta.tool_calls or []:
-            name, args = calls.get(tc.index, ("", ""))
-            calls[tc.index] = (name + (tc.function.name or ""), args + (tc.function.arguments or ""))
-    return ("".join(content) or None, "".join(reasoning) or None,
-            [(n, json.loads(a)) for n, a in calls.values()], finish)
+    return chat_reply(llm, script, MARKERS, stream, **{"messages": ASK, "tools": OPENAI_TOOLS, **kw})
 
 
 @pytest.mark.parametrize("stream", [False, True])
