@@ -72,6 +72,9 @@ def test_schema_and_bias_over_the_limits_or_malformed_are_a_400_naming_them(http
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab " * 100}]}),
     ("/v1/completions", {"prompt": "ab " * 100}),
+    # short contents, but reasoning sent back that the template renders
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": "ok", "reasoning_content": "ab " * 100}, {"role": "user", "content": "go"}]}),
 ])
 def test_a_prompt_too_long_for_the_context_however_it_tokenizes_is_refused_before_tokenizing(path, body):
     # 300 characters, at most 4 a token: at least 75 tokens, over the context of 64
