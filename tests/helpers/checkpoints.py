@@ -305,20 +305,25 @@ def gguf_tensors(names, hf_name: str, tensor: torch.Tensor) -> list[tuple[str, t
     return [(name, tensor)]
 
 
-def write_gguf(model, path, arch: str, tensor_type=lambda gguf_name, ndim: QType.F32, skip: tuple[str, ...] = ()):
-    """Writes `model` as llama.cpp would convert it to GGUF architecture `arch` (an unknown arch borrows the llama
-    tensor names). `tensor_type(gguf_name, ndim)` picks each tensor's storage; `skip` drops tensors by GGUF name."""
-    c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("fastdecode-test")
+def add_shape(w, c, rope_theta: float):
+    """The hyperparameters every architecture's GGUF header holds, from a transformers config."""
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(global_rope(c)["rope_theta"])
+    w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+
+
+def write_gguf(model, path, arch: str, tensor_type=lambda gguf_name, ndim: QType.F32, skip: tuple[str, ...] = ()):
+    """Writes `model` as llama.cpp would convert it to GGUF architecture `arch` (an unknown arch borrows the llama
+    tensor names). `tensor_type(gguf_name, ndim)` picks each tensor's storage; `skip` drops tensors by GGUF name."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("fastdecode-test")
+    add_shape(w, c, global_rope(c)["rope_theta"])
     if c.head_dim != c.hidden_size // c.num_attention_heads or arch == "gemma3":
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)

@@ -18,7 +18,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from fastdecode.quant.fp4 import quantize_mxfp4
 from fastdecode.quant.linear import pack_nibbles
-from tests.helpers.checkpoints import VOCAB_SIZE, add_tokenizer, scratch_dir
+from tests.helpers.checkpoints import VOCAB_SIZE, add_shape, add_tokenizer, scratch_dir
 
 # YaRN with a short original context, so that the 56-token runs scale most rotary frequencies.
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -117,16 +117,9 @@ def gguf_checkpoint(experts: str = "F32") -> tuple[transformers.GptOssForCausalL
     c = model.config
     path = scratch_dir() / f"gpt_oss-{experts.lower()}.gguf"
     w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_shape(w, c, YARN["rope_theta"])
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(YARN["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_expert_count(c.num_local_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     w.add_expert_feed_forward_length(c.intermediate_size)
