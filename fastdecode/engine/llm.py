@@ -149,9 +149,13 @@ class LLM:
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
         """`template_kwargs`: extra variables the chat template reads (e.g. Qwen3's enable_thinking)."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+        return self.tokenizer.encode(self.render_chat(messages, tools, template_kwargs), add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The chat template's text for `messages`, with the generation prompt (what chat_prompt tokenizes)."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
                                                   **(template_kwargs or {}))
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- generation --------------------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, logits_processor=None,

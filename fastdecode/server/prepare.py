@@ -96,8 +96,7 @@ def chat_prompt(body: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
     rendered = [taught.template_message(m) for m in template_messages(messages, tools, knows_tools,
                                                                       taught.template_call_id)]
     options = template_options(body)
-    text = encode(lambda: llm.tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
-                                                            tools=tools if tools and knows_tools else None, **options))
+    text = encode(lambda: llm.render_chat(rendered, tools if tools and knows_tools else None, options))
     # What the template made of everything else the messages carry (reasoning sent back, call arguments, tools).
     can_fit(llm, len(text), "messages")
     ids = encode(lambda: llm.tokenizer.encode(text, add_special_tokens=False))

@@ -33,14 +33,14 @@ class MidStreamFailureLLM(UnreachableLLM):
         raise RuntimeError(f"cannot read {SECRET}")
 
 
-def render(messages, **kw) -> str:
-    return "".join(f"{m['role']}: {m.get('reasoning_content') or ''}{m['content'] or ''}\n" for m in messages)
-
-
 class UntokenizableLLM(UnreachableLLM):
-    """Its tokenizer knows how many characters a token covers at most (4) and renders chats (their reasoning too),
+    """Its tokenizer knows how many characters a token covers at most (4); it renders chats (their reasoning too)
     and cannot tokenize: a request that gets as far as tokenizing its prompt fails with a 500."""
-    tokenizer = SimpleNamespace(max_token_chars=4, chat_template="", apply_chat_template=render)
+    tokenizer = SimpleNamespace(max_token_chars=4, chat_template="")
+
+    @staticmethod
+    def render_chat(messages, tools=None, template_kwargs=None) -> str:
+        return "".join(f"{m['role']}: {m.get('reasoning_content') or ''}{m['content'] or ''}\n" for m in messages)
 
 
 def stub_client(llm=None, base_url: str = "http://127.0.0.1:8000", **config) -> TestClient:
