@@ -111,14 +111,15 @@ def native_kernels_at(rev: str):
     import tempfile
 
     from fastdecode.kernels import SOURCES
-    from fastdecode.kernels.jit import build
+    from fastdecode.kernels.jit import build, kernel_isa
 
     sha = short_sha(rev)
     top = Path(tempfile.mkdtemp(prefix=f"fastdecode-kernels-{sha}-"))  # private: whatever is here gets compiled
     for name in git("ls-tree", "--name-only", sha, "fastdecode/kernels/").decode().split():
         if name.endswith((".cpp", ".h")):
             (top / Path(name).name).write_bytes(git("show", f"{sha}:{name}"))
-    ops = build(f"fastdecode_native_{sha}", [top / s.name for s in SOURCES], "the A/B cannot run")
+    # the instruction set the current kernels are built for: an A/B of two builds for different sets measures those
+    ops = build(f"fastdecode_native_{sha}", [top / s.name for s in SOURCES], "the A/B cannot run", kernel_isa())
     if ops is None:
         raise SystemExit(f"the native kernels at {sha} do not build (see the warning above)")
     return ops

@@ -3,10 +3,11 @@
 The kernel fills such pages with zeros when they are first touched, so allocating costs nothing up front and memory
 never touched is never resident: a KV cache sized for eight full-length sequences occupies what its sequences fill,
 not the whole budget (torch.zeros wrote every byte of it at start). Weights' pages are advised as transparent huge
-pages, so that reading them misses the TLB less: Llama-3.1-8B's Q4_0 shape decodes 3-5% faster (4.04-4.15 against
-3.93-3.95 tok/s, interleaved runs of bench/shapes.py's child). They cost load time, as the kernel compacts memory to
-make each 2 MB page (that model loads in 11.2 s against 7.4-8.7). The mapping is private: Linux gives shared
-anonymous memory (mmap's default) huge pages only where shmem_enabled allows, which it does not by default.
+pages: a decode pass streams them at about 28 GB/s in huge pages against 19 in 4 KB pages (Q4_0 at one row,
+bench/stream.py), and Llama-3.1-8B's Q4_0 shape decodes 10-13% faster (5.7-5.95 against 5.2-5.3 tok/s). They cost
+load time, as the kernel compacts memory to make each 2 MB page: 4.5 GB of them took 2.5-6.8 s here against 0.85 s
+in 4 KB pages (that model loads in 7-13 s against 6-6.5). The mapping is private: Linux gives shared anonymous
+memory (mmap's default) huge pages only where shmem_enabled allows, which it does not by default.
 """
 from __future__ import annotations
 

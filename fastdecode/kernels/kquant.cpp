@@ -41,6 +41,7 @@ using fastdecode::hsum;
 using fastdecode::offset32_dot;
 using fastdecode::pair_dot;
 using fastdecode::prefetch;
+using fastdecode::prefetch_stream;
 using fastdecode::row_scales;
 
 constexpr int64_t QK_K = 256;
@@ -124,6 +125,7 @@ void kq_pass(const Call& c) {
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   const uint8_t* w = c.w;
   for (int64_t sb = 0; sb < c.sbs; ++sb, w += bytes) {
+    prefetch_stream(w, bytes);
     const __m256 d = row_pairs(w);
     for (int p = 0; p < 4; ++p) {
       const int64_t pair = 4 * sb + p;
@@ -209,6 +211,7 @@ void q6_rows(const Call& c, int r0) {
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
   const uint8_t* w = c.w;
   for (int64_t sb = 0; sb < c.sbs; ++sb, w += Q6K_BYTES) {
+    if (NR == 4) prefetch_stream(w, Q6K_BYTES);  // one pass over the tile (one or two rows): streamed
     for (int h = 0; h < 2; ++h) {
       const int64_t b0 = 8 * sb + 4 * h;  // the half's first activation block
       for (int r = 0; r < NR; ++r) {
@@ -314,7 +317,7 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
   at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      if (t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);
+      if (M > 2 && t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);  // else one pass streams it
       const Call c{W + t * tile_bytes, K / QK_K, K, N, t, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xs_row, Y};
       if (bytes == Q4K_BYTES) pair_tile<false>(c, M, xt.data_ptr<float>());
       else if (bytes == Q5K_BYTES) pair_tile<true>(c, M, xt.data_ptr<float>());

@@ -44,6 +44,7 @@ using fastdecode::block_sums;
 using fastdecode::u8_pair_dot;
 using fastdecode::pair_dot;
 using fastdecode::prefetch;
+using fastdecode::prefetch_stream;
 using fastdecode::quantize_rows_grouped;
 using fastdecode::row_scales;
 using fastdecode::vecf;
@@ -120,6 +121,7 @@ void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
   __m256 acc[MR], acc_min[MR];
   for (int m = 0; m < MR; ++m) acc[m] = acc_min[m] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p, w += 160) {
+    prefetch_stream(w, 160);
     const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)), by_block);
     const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16)));
     for (int m = 0; m < MR; ++m) {
@@ -290,6 +292,7 @@ void q8_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, con
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p, w += Q8_PAIR) {
+    prefetch_stream(w, Q8_PAIR);
     const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)), by_block);
     const auto row_dot = [&](int r, const int8_t* x) {
       const uint8_t* q = w + 16 + 64 * r;
@@ -313,9 +316,10 @@ void q8_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, con
 }
 
 // All M rows against pair tile t, up to 4 rows a pass (AVX2's 16 registers: 2), the tile's 4 rows read once a pass.
+constexpr int64_t Q8_PASS_ROWS = VW == 16 ? 4 : 2;
 void q8_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, const int32_t* xc, int64_t M, int64_t N,
              int64_t t, float* y) {
-  constexpr int64_t MR = VW == 16 ? 4 : 2;
+  constexpr int64_t MR = Q8_PASS_ROWS;
   const int64_t pairs = K / 64;
   int64_t m = 0;
   const auto pass = [&](auto rows) {
@@ -366,7 +370,7 @@ void q8_pairs(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N,
   });
   at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      if (t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);
+      if (M > Q8_PASS_ROWS && t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);  // else q8_pass streams it
       q8_tile(W + t * tile_bytes, K, xq.data(), xs.data(), xc.data(), M, N, t, Y);
       if (B)
         for (int64_t m = 0; m < M; ++m)
@@ -444,7 +448,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
   at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      if (t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);
+      if (M > 2 && t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);  // else q4_pass streams it
       q4_tile(W + t * tile_bytes, K, XQ, XS, XT, M, N, t, Y);
       if (B)
         for (int64_t m = 0; m < M; ++m)

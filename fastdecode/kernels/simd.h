@@ -21,6 +21,14 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, static_cast<_mm_hint>(HINT));
 }
 
+// A weight tile read by one pass (one or two activation rows) is streamed once, and the core would wait on each
+// cache line: every step of such a pass asks for the `bytes` it will read STREAM_AHEAD later, so that memory works
+// while it computes. Whole-tile prefetches (above) suit the passes that read a tile several times; here they come in
+// bursts the line-fill buffers cannot take. On Sapphire Rapids (2 threads, huge pages) Q4_0 at one row went from
+// 21 to 28 GB/s for an 8B model's matrices (30 probed); distances of 512-1536 bytes measured the same.
+constexpr int64_t STREAM_AHEAD = 1024;
+inline void prefetch_stream(const uint8_t* p, int64_t bytes) { prefetch(p + STREAM_AHEAD, bytes); }
+
 // vecf: the widest float vector of the build, VW lanes (16 where the build has AVX-512, else 8), for the loops whose
 // cost is FMAs (float matmuls, attention). A build sums in its own lane order, the same for every row and batch.
 #ifdef __AVX512F__
