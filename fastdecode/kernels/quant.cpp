@@ -26,6 +26,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -456,6 +457,39 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
     }
   });
   return y;
+}
+
+// Q4_0/Q4_1 blocks -> q4_linear's tiles (N/4, K/64, 160), written once in one pass: qs (N, K/32, 16) uint8, each
+// block's nibble bytes as they are (byte j = q[j] | q[j + 16] << 4); scales and mins (N, K/32) fp16. Rows and blocks
+// may be strided (views of the mapped file), a block's bytes contiguous. The bytes move, no value changes.
+void q4_pack(at::Tensor out, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.size(2) == 16 && qs.stride(2) == 1,
+              "q4_pack: need (N, K/32, 16) nibble blocks");
+  const int64_t N = qs.size(0), blocks = qs.size(1);
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kHalf && t->size(0) == N && t->size(1) == blocks,
+                "q4_pack: scales and mins must be fp16 (N, K/32)");
+  TORCH_CHECK(N % 4 == 0 && blocks % 2 == 0 && out.is_contiguous() && out.scalar_type() == at::kByte &&
+              out.dim() == 3 && out.size(0) == N / 4 && out.size(1) == blocks / 2 && out.size(2) == 160,
+              "q4_pack: bad output");
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const auto* d = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  const auto* m = reinterpret_cast<const uint16_t*>(mins.data_ptr());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t pairs = blocks / 2;
+  at::parallel_for(0, N / 4 * pairs, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / pairs, p = i % pairs;
+      uint8_t* o = dst + i * 160;
+      for (int r = 0; r < 4; ++r)
+        for (int b = 0; b < 2; ++b) {
+          const int64_t row = 4 * t + r, block = 2 * p + b;
+          std::memcpy(o + 4 * r + 2 * b, d + row * scales.stride(0) + block * scales.stride(1), 2);  // (row, block)
+          std::memcpy(o + 16 + 4 * r + 2 * b, m + row * mins.stride(0) + block * mins.stride(1), 2);
+          std::memcpy(o + 32 + 32 * r + 16 * b, q + row * qs.stride(0) + block * qs.stride(1), 16);
+        }
+    }
+  });
 }
 
 }  // namespace fastdecode

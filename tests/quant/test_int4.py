@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fastdecode.quant import Int4Linear, Int8Linear, quantize_model, weight_bytes
+from fastdecode.quant import int4
 from fastdecode.quant.int4 import dequantize_groupwise, native_fits, quantize_groupwise
 from fastdecode.quant.linear import lut_ops
 from tests.helpers.tiny import logits, tiny_model
@@ -45,6 +46,20 @@ def test_output_within_quantization_step_of_float_matmul(backend, group_size, m)
 
 
 @pytest.mark.skipif(not native_fits(4, 64, 32), reason="no AVX2 kernels")
+@pytest.mark.skipif(not native_fits(4, 64, 32), reason="no AVX2 kernels")
+def test_native_packing_writes_the_bytes_of_the_strided_moves(monkeypatch):
+    # quant.cpp's q4_pack against pack_native's byte moves, from strided views as a GGUF file's Q4_0 blocks are:
+    # 18-byte blocks (fp16 d, 16 bytes of nibbles), rows and blocks strided, mins computed (-8 d).
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(0, 256, (12, 2 * 8, 18), dtype=torch.uint8, generator=g)[:, ::2]
+    raw[..., 1] &= 0x3B  # finite fp16 scales
+    d = raw[..., 0:2].view(torch.float16)[..., 0]
+    qs, mn = raw[..., 2:], -8 * d
+    native = int4.pack_native(qs, d, mn)
+    monkeypatch.setattr(int4, "native_ops", lambda: None)
+    assert torch.equal(native, int4.pack_native(qs, d, mn))
+
+
 def test_native_row_does_not_depend_on_how_many_rows_share_the_call():
     """The kernel takes 1, 2, 4 or 8 rows per pass, and from 16 rows on a CPU with AMX the tiles take blocks of 32
     weight rows (here 64 of the 72; the VNNI kernel the rest): a verify step, a prompt chunk and a batch must reproduce
