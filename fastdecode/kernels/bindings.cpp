@@ -9,6 +9,7 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
 at::Tensor copy_strided(at::Tensor dst, const at::Tensor& src);
 void kq_pack(at::Tensor out, const at::Tensor& blocks);
 void q4_pack(at::Tensor out, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins);
+void q8_pack(at::Tensor out, const at::Tensor& q, const at::Tensor& scales);
 bool amx_int8_ready();
 }  // namespace fastdecode
 
@@ -34,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a GGUF Q4_K / Q5_K tensor's super-blocks -> kq_linear's packed tiles, written into out");
   m.def("q4_pack", &fastdecode::q4_pack, py::call_guard<py::gil_scoped_release>(),
         "Q4_0 / Q4_1 blocks (nibbles, fp16 scales and mins) -> q4_linear's packed tiles, written into out");
+  m.def("q8_pack", &fastdecode::q8_pack, py::call_guard<py::gil_scoped_release>(),
+        "Q8_0 blocks (int8 values, fp16 scales) -> q8_linear's packed pair tiles, written into out");
   // The GIL is released: a server's event loop keeps answering while a step runs.
   m.def("forward_batch", &forward_batch, py::call_guard<py::gil_scoped_release>(),
         "the new rows of a batch of sequences (decode steps, prompt chunks, draft trees) through every layer over a "

@@ -96,6 +96,10 @@ def pack_pairs(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     N, K = q.shape[0], q[0].numel()
     P = K // 64
     out = memory.zeros(N // 4, P, PAIR_BYTES, dtype=torch.uint8)
+    blocks = q.view(N, 2 * P, 32)
+    if (ops := native_ops()) is not None and blocks.stride(2) == 1:
+        ops.q8_pack(out, blocks, scale.to(torch.float16))  # the same bytes in one pass
+        return out
     move(out[..., 16:].view(torch.int8).view(N // 4, P, 4, 2, 2, 16),
          q.view(N // 4, 4, P, 2, 2, 16).permute(0, 2, 1, 4, 3, 5))
     move(out[..., :16].view(torch.float16).view(N // 4, P, 4, 2),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastdecode.quant import Int8Linear, quantize_model, weight_bytes
+from fastdecode.quant import Int8Linear, int8, quantize_model, weight_bytes
 from fastdecode.quant.int8 import dequantize_blockwise, native_fits, quantize_blockwise, quantize_per_channel
 from tests.helpers.tiny import logits, tiny_model
 
@@ -170,3 +170,16 @@ def test_tied_lm_head_is_quantized_and_the_embedding_is_not():
     out = logits(model, tokens)
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
     assert (out - ref).norm() / ref.norm() < 0.02
+
+
+@NATIVE
+def test_native_pair_packing_writes_the_bytes_of_the_strided_moves(monkeypatch):
+    # quant.cpp's q8_pack against pack_pairs' byte moves, from strided views as a GGUF file's Q8_0 blocks are
+    # (34 bytes: fp16 d, 32 int8), rows and blocks strided.
+    g = torch.Generator().manual_seed(4)
+    raw = torch.randint(0, 256, (12, 2 * 8, 34), dtype=torch.uint8, generator=g)[:, ::2]
+    raw[..., 1] &= 0x3B  # finite fp16 scales
+    d, q = raw[..., 0:2].view(torch.float16)[..., 0], raw[..., 2:].view(torch.int8)
+    native = int8.pack_pairs(q, d)
+    monkeypatch.setattr(int8, "native_ops", lambda: None)
+    assert torch.equal(native, int8.pack_pairs(q, d))
