@@ -1,9 +1,12 @@
 """Which sequences run in the next forward pass, and how many rows each: continuous batching with chunked prefill.
 
 Every step, each running sequence that is decoding gets one row (its last sampled token) plus the draft the
-speculator picks for it; prompts being prefilled share what is left of the step's token budget, oldest first. While
-anyone decodes, that budget is sized so the step takes about `decode_gap_s`, so one user's long paste delays the
-others' next token by a chunk, not by its whole prefill. Waiting requests join between steps (first in, first out)
+speculator picks for it; prompts being prefilled share what is left of the step's token budget evenly (a prompt that
+needs less than its share takes what it needs, the rest is split among the others). While anyone decodes, that budget
+is sized so the step takes about `decode_gap_s`, so one user's long paste delays the others' next token by a chunk,
+not by its whole prefill; otherwise about `prefill_step_s`, so a request that arrives during a long prefill starts
+within about that, and a short prompt is not queued behind a long one (an agent's subagent beside its main
+conversation). Waiting requests join between steps (first in, first out)
 while fewer than `max_batch` run, taking the longest cached prefix of their tokens first. When a sequence needs a block
 and none is free, the most recently admitted sequence is preempted: its blocks go back (full ones stay cached), and
 it computes its tokens again when readmitted (recompute preemption, as in vLLM), with its output so far kept.
@@ -23,6 +26,7 @@ class SchedulerConfig:
     max_batch: int = 8  # sequences running at once; more wait in the queue
     max_batched_tokens: int = 2048  # rows in one forward pass (a prompt chunk when nobody decodes)
     decode_gap_s: float = 0.3  # while sequences decode, a step's prompt chunk is sized to take about this long
+    prefill_step_s: float = 1.0  # and a step of prompt chunks alone, this long
     prefix_cache: bool = True
 
 
@@ -37,6 +41,18 @@ class Work:
     def samples(self) -> bool:
         """The rows reach the sequence's last token, so the step samples its next one."""
         return self.rows == self.seq.pending
+
+
+def fair_shares(needs: list[int], budget: int) -> list[int]:
+    """`budget` rows split among prompts needing `needs`: evenly, except that a prompt needing less than its share
+    takes only what it needs and the rest goes to the others (max-min fairness)."""
+    shares = [0] * len(needs)
+    left = max(budget, 0)
+    order = sorted(range(len(needs)), key=lambda i: needs[i])  # the neediest last, so it takes what rounding leaves
+    for k, i in enumerate(order):
+        shares[i] = min(needs[i], left // (len(order) - k))
+        left -= shares[i]
+    return shares
 
 
 class Scheduler:
@@ -62,15 +78,13 @@ class Scheduler:
         work = [w for w in work if w.seq.status is Status.RUNNING]  # a later one's reserve may preempt an earlier
         self._draft(work)
         budget = self.config.max_batched_tokens - sum(w.rows + len(w.draft or ()) for w in work)
-        if work and self.prefill_tok_s:
-            budget = min(budget, max(self.kv.block_size, int(self.prefill_tok_s * self.config.decode_gap_s)))
-        for seq in [s for s in self.running if s.pending > 1]:
-            n = min(seq.pending, budget)
-            if n <= 0:
-                break
-            if seq.status is Status.RUNNING and self._reserve(seq, seq.num_computed + n):
+        if self.prefill_tok_s:
+            step_s = self.config.decode_gap_s if work else self.config.prefill_step_s
+            budget = min(budget, max(self.kv.block_size, int(self.prefill_tok_s * step_s)))
+        prefilling = [s for s in self.running if s.pending > 1]
+        for seq, n in zip(prefilling, fair_shares([s.pending for s in prefilling], budget)):
+            if n > 0 and seq.status is Status.RUNNING and self._reserve(seq, seq.num_computed + n):
                 work.append(Work(seq, n))
-                budget -= n
         return [w for w in work if w.seq.status is Status.RUNNING]
 
     def _draft(self, work: list[Work]):

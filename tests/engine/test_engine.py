@@ -10,7 +10,7 @@ import torch
 from fastdecode.engine.engine import Engine
 from fastdecode.engine.kv_cache import BlockTable, KVCache
 from fastdecode.engine.sampling import SamplingParams
-from fastdecode.engine.scheduler import SchedulerConfig
+from fastdecode.engine.scheduler import SchedulerConfig, fair_shares
 from fastdecode.errors import InvalidRequestError
 from fastdecode.kernels import native_ops
 from fastdecode.loading import load_model
@@ -275,6 +275,40 @@ def test_outputs_with_arrivals_cancellations_prefix_hits_preemption_and_drafts_e
     assert preempted, "the small cache never forced a preemption"
     assert any(seq.timings.cached_tokens for seq in seqs.values()), "no request hit the prefix cache"
     assert sum(seq.speculation.stats.accepted for seq in seqs.values()) > 0, "no draft token was ever accepted"
+
+
+def test_prompts_share_a_step_evenly_and_a_short_one_leaves_the_rest_to_the_others():
+    assert fair_shares([100, 5, 100], 24) == [9, 5, 10]
+    assert fair_shares([3, 4], 24) == [3, 4]
+    assert fair_shares([50, 50, 50, 50], 2) == [0, 0, 1, 1]
+    assert sum(fair_shares([7, 30, 1000], 64)) == 64
+
+
+def test_a_short_prompt_is_not_queued_behind_a_long_prefill():
+    # A subagent's short request arrives while the main conversation's long prompt is being prefilled in chunks:
+    # it gets a share of the next step and its first token, long before the long prompt is done; both outputs equal
+    # their solo runs.
+    long, short = tiny_prompt(160, 1), tiny_prompt(6, 2)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    reference = tiny_engine(blocks=32, prefix_cache=False)
+    solo = [collect(reference.add_request(p, params)) for p in (long, short)]
+    reference.stop()
+    engine = tiny_engine(blocks=32, prefix_cache=False, background=False)  # steps of 24 rows
+    first = engine.add_request(long, params)
+    engine.pump()
+    second = engine.add_request(short, params)
+    outputs, first_token_step = {first: [], second: []}, {}
+    for step in range(100):
+        engine.pump()
+        for seq in outputs:
+            tokens, _ = drain(seq)
+            outputs[seq] += tokens
+            if tokens and seq not in first_token_step:
+                first_token_step[seq] = step
+        if all(seq.finished for seq in outputs):
+            break
+    assert [outputs[first], outputs[second]] == solo
+    assert first_token_step[second] <= 1 < first_token_step[first]
 
 
 def test_a_request_larger_than_the_whole_cache_is_refused():
