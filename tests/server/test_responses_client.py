@@ -80,11 +80,29 @@ def test_codex_style_request_is_accepted(client):
     assert r.usage.output_tokens > 0
 
 
+def test_codex_tools_a_namespace_is_offered_and_hosted_tools_are_left_out(client):
+    """Codex CLI 0.171 groups its sub-agent tools in a namespace and adds web_search, which OpenAI's servers run: the
+    namespace's functions are offered (a call names its namespace), the hosted tool is left out, not refused."""
+    subagents = {"type": "namespace", "name": "multi_agent_v1", "description": "Tools for sub-agents.",
+                 "tools": [{"type": "function", "name": "spawn_agent", "description": "Start a sub-agent on a task",
+                            "parameters": {"type": "object", "properties": {"task": {"type": "string"}},
+                                           "required": ["task"]}}]}
+    r = client.responses.create(model=MODEL, input="Start a sub-agent that lists the files.", temperature=0,
+                                tools=[WEATHER, subagents, {"type": "web_search", "external_web_access": False}],
+                                tool_choice={"type": "function", "name": "spawn_agent"}, max_output_tokens=80)
+    (call,) = [o.to_dict() for o in r.output if o.type == "function_call"]
+    assert call["name"] == "spawn_agent" and call["namespace"] == "multi_agent_v1" and "task" in json.loads(
+        call["arguments"])
+    plain = client.responses.create(model=MODEL, input=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
+                                    temperature=0, max_output_tokens=80)
+    assert all("namespace" not in o.to_dict() for o in plain.output)
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),  # stateless
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input.0.call_id"),
     ({"input": [{"type": "input_image", "image_url": "data:,"}]}, None),
-    ({"tools": [{"type": "web_search"}]}, None),
+    ({"tools": [WEATHER, {"type": "namespace", "name": "more", "tools": [WEATHER]}]}, "tools"),  # one name twice
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"model": "gpt-9"}, "model"),
 ])

@@ -3,10 +3,14 @@ builds every chat prompt: `instructions` becomes the system message, `function_c
 `tool_calls`, `function_call_output` items `tool` messages, and `text.format` the response_format."""
 from __future__ import annotations
 
+import logging
+
 from fastdecode.server.errors import ApiError
 from fastdecode.server.prepare import as_chat_request
 from fastdecode.server.responses.schemas import ResponsesRequest
 from fastdecode.server.schemas import ChatCompletionRequest
+
+log = logging.getLogger(__name__)
 
 
 def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -19,9 +23,18 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
               "temperature": body.temperature, "top_p": body.top_p}
     if body.reasoning is not None and body.reasoning.effort is not None:
         fields["reasoning_effort"] = body.reasoning.effort
-    if body.tools:
+    functions = body.functions()
+    names = [t.name for _, t in functions]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ApiError(400, f"two tools are named {twice[0]!r} (namespaces included): tool names must be unique",
+                       "tools")
+    left_out = [t.type for t in body.tools or [] if t.type not in ("function", "namespace")]
+    if left_out:
+        log.info("responses: tools this server cannot offer left out: %s", ", ".join(left_out))
+    if functions:
         fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                           for t in body.tools]
+                           for _, t in functions]
     if body.tool_choice is not None:
         choice = body.tool_choice
         fields["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",

@@ -28,6 +28,7 @@ class ResponsesFormatter(Formatter):
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "text": {"format": {"type": body.text.format.type}} if body.text and body.text.format
             else {"format": {"type": "text"}}}
+        self.namespace = {t.name: ns for ns, t in body.functions() if ns is not None}  # a call names its namespace
         self.items: list[dict] = []
         self.growing: str | None = None  # the type of the last item while its text may still grow (message, reasoning)
         self.sequence = 0
@@ -99,8 +100,10 @@ class ResponsesFormatter(Formatter):
                 continue
             out += self._close()
             arguments = value["function"]["arguments"]
+            name = value["function"]["name"]
             item = {"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": value["id"],
-                    "name": value["function"]["name"], "arguments": "", "status": "in_progress"}
+                    "name": name, **({"namespace": self.namespace[name]} if name in self.namespace else {}),
+                    "arguments": "", "status": "in_progress"}
             self.items.append(item)
             index = len(self.items) - 1
             out.append(self._event("response.output_item.added", output_index=index, item=dict(item)))

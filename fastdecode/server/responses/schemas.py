@@ -1,6 +1,7 @@
 """Request bodies of the Responses API. Unknown fields are ignored: agents send fields that change nothing for a
 stateless server (store, include, prompt_cache_key, ...). Items of other types than those below
-(images, files, built-in tools' calls) are refused by validation with the list of those accepted."""
+(images, files, built-in tools' calls) are refused by validation with the list of those accepted; tools of other
+types than function and namespace are left out (OtherTool)."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
@@ -62,6 +63,31 @@ class FunctionTool(Lenient):
     strict: bool | None = None
 
 
+class NamespaceTool(Lenient):
+    """Function tools grouped under a name (Codex sends its sub-agent tools so); each is offered as it is, and a call
+    of one names its namespace."""
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
+class OtherTool(Lenient):
+    """A tool this server cannot offer: the API's hosted ones (web_search, file_search, code_interpreter, ...) run on
+    OpenAI's side, and freeform `custom` tools need a grammar over raw text. Agents send them by default; they are
+    left out of the prompt (logged), not refused."""
+    type: str
+
+
+def tool_type(tool) -> str:
+    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    return kind if kind in ("function", "namespace") else "other"
+
+
+Tool = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[NamespaceTool, Tag("namespace")],
+                       Annotated[OtherTool, Tag("other")]], Discriminator(tool_type)]
+
+
 class NamedFunction(Lenient):
     type: Literal["function"]
     name: str
@@ -85,7 +111,7 @@ class ResponsesRequest(Lenient):
     model: str
     input: str | list[Item]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -96,3 +122,13 @@ class ResponsesRequest(Lenient):
     previous_response_id: str | None = None  # refused: this server keeps no responses
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
+
+    def functions(self) -> list[tuple[str | None, FunctionTool]]:
+        """(namespace or None, tool) of every function the model is offered, namespaces' members included."""
+        out = []
+        for t in self.tools or []:
+            if t.type == "function":
+                out.append((None, t))
+            elif t.type == "namespace":
+                out += [(t.name, f) for f in t.tools]
+        return out
