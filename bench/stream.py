@@ -87,7 +87,6 @@ def main():
                 rows.append(row)
                 print(f"{model:<22} {fmt} {n:>6}x{k:<6} {row['MB']:6.1f} MB  "
                       + "  ".join(f"{b} {row[b]['median']:5.1f} GB/s" for b in builds), flush=True)
-                del ws
     commit = git("rev-parse", "HEAD").decode().strip()
     dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
     report = {"benchmark": "stream", "commit": commit, "dirty": dirty, "command": command_line(),

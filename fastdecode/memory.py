@@ -3,8 +3,8 @@
 The kernel fills such pages with zeros when they are first touched, so allocating costs nothing up front and memory
 never touched is never resident: a KV cache sized for eight full-length sequences occupies what its sequences fill,
 not the whole budget (torch.zeros wrote every byte of it at start). Weights' pages are advised as transparent huge
-pages: a decode pass streams them at about 28 GB/s in huge pages against 19 in 4 KB pages (Q4_0 at one row,
-bench/stream.py), and Llama-3.1-8B's Q4_0 shape decodes 10-13% faster (5.7-5.95 against 5.2-5.3 tok/s). They cost
+pages: a decode pass streams an 8B model's Q4_0 matrices at about 28 GB/s in huge pages against 19 in 4 KB pages
+(one row, 2 threads), and that model decodes 10-13% faster (5.7-5.95 against 5.2-5.3 tok/s). They cost
 load time, as the kernel compacts memory to make each 2 MB page: 4.5 GB of them took 2.5-6.8 s here against 0.85 s
 in 4 KB pages (that model loads in 7-13 s against 6-6.5). The mapping is private: Linux gives shared anonymous
 memory (mmap's default) huge pages only where shmem_enabled allows, which it does not by default.
