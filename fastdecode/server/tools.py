@@ -52,9 +52,10 @@ def template_messages(messages: list[dict], tools: list[dict] | None, knows_tool
             m = {"role": "assistant", "content": (m.get("content") or "") + text}
         elif m["role"] == "tool" and not knows_tools:
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
-        if m["role"] == "user" and out and out[-1]["role"] == "user" and isinstance(m.get("content"), str) \
-                and isinstance(out[-1].get("content"), str):
-            # one turn: strict templates (Gemma's) need user and assistant turns to alternate
+        if m["role"] in ("user", "system") and out and out[-1]["role"] == m["role"] \
+                and isinstance(m.get("content"), str) and isinstance(out[-1].get("content"), str):
+            # one turn: strict templates (Gemma's) need one system message, then user and assistant turns in turn
+            # (Codex CLI sends two developer messages, then two user messages)
             out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + m["content"]}
             continue
         out.append(m)

@@ -41,11 +41,12 @@ def test_forced_call_grammar_accepts_exactly_a_call_the_parser_reads():
 
 
 def test_consecutive_user_turns_merge_for_templates_that_need_alternation():
-    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+    messages = [{"role": "developer", "content": "s"}, {"role": "system", "content": "t"},  # Codex: two developer
+                {"role": "user", "content": "a"}, {"role": "user", "content": "b"},
                 {"role": "assistant", "content": "c"}, {"role": "tool", "content": "r"}, {"role": "user", "content": "d"}]
     out = template_messages(messages, None, knows_tools=False)
     assert [(m["role"], m["content"]) for m in out] == [
-        ("user", "a\nb"), ("assistant", "c"), ("user", "<tool_response>\nr\n</tool_response>\nd")]
+        ("system", "s\nt"), ("user", "a\nb"), ("assistant", "c"), ("user", "<tool_response>\nr\n</tool_response>\nd")]
 
 
 def test_call_ids_are_rewritten_for_templates_that_need_their_own():
