@@ -113,7 +113,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # The cache may hold a narrower type than the model computes in: keys and values are rounded to it when
         # written and widened back when read, so attention itself runs in the model's dtype.
-        q = apply_rotary(q.transpose(0, 1), cos, sin)  # (heads, R, head_dim)
+        q = apply_rotary(q.transpose(0, 1), cos, sin).to(x.dtype)  # (heads, R, head_dim); the tables are float32
         k_cache[:, batch.slots] = apply_rotary(k.transpose(0, 1), cos, sin).to(v_cache.dtype)
         v_cache[:, batch.slots] = v.view(R, self.num_kv_heads, self.head_dim).transpose(0, 1).to(v_cache.dtype)
         out = torch.empty_like(q)

@@ -84,6 +84,15 @@ def test_prompt_longer_than_context_is_rejected(smollm2):
         smollm2.generate("word " * 300, SamplingParams(max_tokens=8))
 
 
+def test_bfloat16_weights_run_on_the_paged_engine(smollm2_path):
+    # --dtype bfloat16 without a quantization: float weights in bfloat16 on the PyTorch runner, attention in the
+    # model's dtype (the rotary tables are float32, and the output projection was handed float32 rows)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+    f32, bf16 = (LLM(str(smollm2_path), dtype=dtype, quant="none", max_seq_len=128, speculate="none").generate(
+        PROMPTS[0], params) for dtype in ("float32", "bfloat16"))
+    assert len(bf16.token_ids) == 4 and bf16.token_ids[0] == f32.token_ids[0]
+
+
 def test_long_prompt_is_prefilled_in_chunks_like_one_pass(smollm2_path):
     from fastdecode.engine.scheduler import SchedulerConfig
     ids = LLM(str(smollm2_path), max_seq_len=8).encode_prompt("def f(x):\n    return x * 2\n" * 6)

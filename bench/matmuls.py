@@ -1,10 +1,12 @@
 """Times weight-only quantized matmul kernels at SmolLM2-135M shapes; prints a table, writes bench/results/kernels.json.
+(Not named kernels.py: the bench scripts' folder comes first on sys.path, and transformers imports Hugging Face's
+`kernels` package, which a bench/kernels.py shadowed: bench/decode.py's transformers rows were skipped.)
 
-    python bench/kernels.py                 # M = 1, 8, 600 and the per-token totals
-    python bench/kernels.py --ms 1 --reps 5 # quicker
-    python bench/kernels.py --threads 1     # on a busy shared machine: with more runnable threads than cores, a
+    python bench/matmuls.py                 # M = 1, 8, 600 and the per-token totals
+    python bench/matmuls.py --ms 1 --reps 5 # quicker
+    python bench/matmuls.py --threads 1     # on a busy shared machine: with more runnable threads than cores, a
                                             # 2-thread op can wait out another process's time slice (~8 ms)
-    python bench/kernels.py --only native_int4_g32,native_int8 --baseline ba4a3e5 --ms 1,2,4,9,16
+    python bench/matmuls.py --only native_int4_g32,native_int8 --baseline ba4a3e5 --ms 1,2,4,9,16
                                             # our kernels beside those of a git revision, taking turns
 
 Each shape uses as many distinct weight copies as the model has layers (30), called in turn, so the working set is
