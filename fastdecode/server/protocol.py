@@ -26,11 +26,15 @@ def named_sse(event: dict) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, completion=None) -> dict:
-    """OpenAI's usage object; prompt_tokens_details.cached_tokens counts the prompt tokens the prefix cache held."""
+def usage(prompt_tokens: int, completion_tokens: int, completion=None, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens counts the prompt tokens the prefix cache held,
+    completion_tokens_details.reasoning_tokens (chat replies) those of the reasoning."""
     cached = cached_tokens(completion)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def cached_tokens(completion) -> int:
@@ -74,6 +78,7 @@ class Formatter:
         self.sent = 0  # entries already attached to a chunk
         self.completion = None  # the engine's Completion, once the last chunk came
         self.parser = reply.parser() if reply is not None else None  # None: the reply is plain text
+        self.reasoning: list[str] = []  # the reply's reasoning text, as parsed
 
     # How the stream is written: OpenAI's chat and text completions are bare `data:` lines ended by [DONE], and start
     # with the first token, so that an error before it keeps its HTTP status. The Messages and Responses APIs name each
@@ -113,11 +118,25 @@ class Formatter:
         self.count(chunk)
         if self.parser is None:
             return [("content", chunk.text)] if chunk.text else []
-        return self.parser.feed(chunk.text)
+        return self._noted(self.parser.feed(chunk.text))
 
     def last_reply_events(self) -> list[tuple[str, object]]:
         """What the parser held back, once the reply is over."""
-        return self.parser.finish() if self.parser else []
+        return self._noted(self.parser.finish()) if self.parser else []
+
+    def _noted(self, events):
+        self.reasoning += [value for kind, value in events if kind == "reasoning"]
+        return events
+
+    def reasoning_tokens(self) -> int:
+        """Output tokens of the reasoning: its text tokenized again (the tokens that spelled it, but for the tags
+        around it), at most the reply's."""
+        text = "".join(self.reasoning)
+        return min(self.tokens, len(self.tokenizer.encode(text, add_special_tokens=False))) if text else 0
+
+    def usage(self, completion) -> dict:
+        return usage(self.prompt_tokens, self.tokens, completion,
+                     self.reasoning_tokens() if self.parser is not None else None)
 
     def settle(self, completion):
         """At the end: the engine's count is the truth (a token that completes a stop string is not streamed)."""
@@ -137,8 +156,7 @@ class Formatter:
         figures = speed(queue_s, completion, end, self.expose_speculation)
         if not self.include_usage:
             return [self.chunk([choice], fastdecode=figures)]
-        return [self.chunk([choice]), {**self.chunk([]), "usage": usage(self.prompt_tokens, self.tokens, completion),
-                                       "fastdecode": figures}]
+        return [self.chunk([choice]), {**self.chunk([]), "usage": self.usage(completion), "fastdecode": figures}]
 
 
 class ChatFormatter(Formatter):
@@ -147,7 +165,6 @@ class ChatFormatter(Formatter):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.content: list[str] = []
-        self.reasoning: list[str] = []
         self.tool_calls: list[dict] = []
 
     def start(self) -> list[dict]:
@@ -178,8 +195,7 @@ class ChatFormatter(Formatter):
         if self.logprobs:
             choice["logprobs"] = {"content": self._logprobs(self.entries)}
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "system_fingerprint": FINGERPRINT, "choices": [choice],
-                "usage": usage(self.prompt_tokens, self.tokens, completion),
+                "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": self.usage(completion),
                 "fastdecode": speed(queue_s, completion, end, self.expose_speculation)}
 
     def finish_reason(self, completion, end: str | None) -> str:
@@ -194,7 +210,8 @@ class ChatFormatter(Formatter):
         out = []
         for kind, value in events:
             if kind in ("content", "reasoning"):
-                (self.content if kind == "content" else self.reasoning).append(value)
+                if kind == "content":
+                    self.content.append(value)
                 choice = self._choice({"content" if kind == "content" else "reasoning_content": value})
                 if self.logprobs and self.sent < len(self.entries):
                     choice["logprobs"] = {"content": self._logprobs(self.unsent())}
@@ -252,8 +269,7 @@ class TextFormatter(Formatter):
         if self.logprobs:
             choice["logprobs"] = self._logprobs(self.entries, len(self.echo))[0]
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "system_fingerprint": FINGERPRINT, "choices": [choice],
-                "usage": usage(self.prompt_tokens, self.tokens, completion),
+                "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": self.usage(completion),
                 "fastdecode": speed(queue_s, completion, end, self.expose_speculation)}
 
     def finish_reason(self, completion, end: str | None) -> str:

@@ -12,6 +12,9 @@ class CharTokenizer:
     def decode(self, ids):
         return "".join(chr(i) for i in ids)
 
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
 
 def engine_chunks(text: str, logprobs=True):
     """One chunk per character (token id = code point), then the last chunk with the Completion."""

@@ -133,6 +133,23 @@ def test_deepseek_r1_reply_starts_inside_the_reasoning(deepseek_r1, stream):
         "Four.", "Two and two.", [], "stop")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_tokens_are_counted_in_usage(qwen3, stream):
+    qwen3.script = "<think>\nThe user says hello, so a greeting back.\n</think>\n\nHello!"
+    kw = dict(model=qwen3.model, messages=ASK)
+    if stream:
+        *_, last = qwen3.openai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        used = last.usage
+    else:
+        used = qwen3.openai.chat.completions.create(**kw).usage
+    reasoning = used.completion_tokens_details.reasoning_tokens
+    assert 0 < reasoning < used.completion_tokens
+    assert qwen3.openai.responses.create(model=qwen3.model, input="Hi").usage.output_tokens_details.reasoning_tokens \
+        == reasoning
+    qwen3.script = "Hello!"
+    assert qwen3.openai.chat.completions.create(**kw).usage.completion_tokens_details.reasoning_tokens == 0
+
+
 def test_qwen3_reasoning_is_an_anthropic_thinking_block_with_a_signature(qwen3):
     qwen3.script = REASONED_CALL
     kw = dict(model=qwen3.model, max_tokens=400, messages=ASK, tools=ANTHROPIC_TOOLS)

@@ -71,7 +71,7 @@ class ResponsesFormatter(Formatter):
                 "model": self.model, "output": self.items if done else [], "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "usage": {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-                          "output_tokens": self.tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                          "output_tokens": self.tokens, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()},
                           "total_tokens": self.prompt_tokens + self.tokens} if done else None,
                 "store": False, "truncation": "disabled", **self.request}
 
