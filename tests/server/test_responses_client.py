@@ -103,6 +103,9 @@ def test_codex_tools_a_namespace_is_offered_and_hosted_tools_are_left_out(client
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input.0.call_id"),
     ({"input": [{"type": "input_image", "image_url": "data:,"}]}, None),
     ({"tools": [WEATHER, {"type": "namespace", "name": "more", "tools": [WEATHER]}]}, "tools"),  # one name twice
+    ({"tools": [{"type": "web_search"}] * 129}, None),  # over OpenAI's 128, left out or not
+    ({"tools": [{"type": "namespace", "name": "many", "tools": [{"type": "function", "name": f"f{i}"}
+                                                              for i in range(129)]}]}, None),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"model": "gpt-9"}, "model"),
 ])

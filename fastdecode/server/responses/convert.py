@@ -4,6 +4,7 @@ builds every chat prompt: `instructions` becomes the system message, `function_c
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from fastdecode.server.errors import ApiError
 from fastdecode.server.prepare import as_chat_request
@@ -24,9 +25,8 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
     if body.reasoning is not None and body.reasoning.effort is not None:
         fields["reasoning_effort"] = body.reasoning.effort
     functions = body.functions()
-    names = [t.name for _, t in functions]
-    if len(set(names)) < len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})
+    twice = sorted(name for name, n in Counter(t.name for _, t in functions).items() if n > 1)
+    if twice:
         raise ApiError(400, f"two tools are named {twice[0]!r} (namespaces included): tool names must be unique",
                        "tools")
     left_out = [t.type for t in body.tools or [] if t.type not in ("function", "namespace")]

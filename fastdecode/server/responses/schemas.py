@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag
 
-from fastdecode.server.schemas import FUNCTION_NAME, Lenient
+from fastdecode.server.schemas import FUNCTION_NAME, MAX_TOOLS, Lenient
 
 
 class TextPart(Lenient):
@@ -69,7 +69,7 @@ class NamespaceTool(Lenient):
     type: Literal["namespace"]
     name: str
     description: str | None = None
-    tools: list[FunctionTool]
+    tools: list[FunctionTool] = Field(max_length=MAX_TOOLS)
 
 
 class OtherTool(Lenient):
@@ -111,7 +111,7 @@ class ResponsesRequest(Lenient):
     model: str
     input: str | list[Item]
     instructions: str | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # a namespace's functions count on conversion
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
