@@ -44,6 +44,7 @@ class Shape:
     qk_norm: bool = False
     experts: int = 0  # mixture of experts: every layer's MLP is `experts` SwiGLUs of width `intermediate`
     experts_used: int = 0  # top-k
+    gpt_oss: bool = False  # gpt-oss: biases on attention, router and experts, attention sinks, YaRN, windows of 128
 
     @property
     def head_size(self) -> int:
@@ -57,12 +58,17 @@ SHAPES = {  # from each model's config.json
     # Qwen3-30B-A3B (Qwen3-Coder-30B-A3B has the same shapes): 128 experts of width 768, 8 routed per token.
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 768, 48, 32, 4, 151936, False, 1e6, 1e-6, head_dim=128, qk_norm=True,
                            experts=128, experts_used=8),
+    # gpt-oss-20b: 32 experts of width 2880, 4 routed per token, every other layer a window of 128 tokens.
+    "gpt-oss-20b": Shape("gpt-oss", 2880, 2880, 24, 64, 8, 201088, False, 150000.0, 1e-5, qkv_bias=True, head_dim=64,
+                         experts=32, experts_used=4, gpt_oss=True),
 }
 # The fp16 scale d per GGML type that gives random codes a weight std of about 0.02: Q4_0 d (q - 8), q uniform in
 # 0..15 (std 4.6); Q8_0 d q, q uniform int8 (std 74); Q4_K d sc q - dmin m, sc, m in 0..63 and q in 0..15 (std of sc q
 # 218; dmin = d); Q6_K d sc (q - 32), sc int8 and q in 0..63 (std 74 * 18.5).
 SCALES = {"Q4_0": 0.02 / 4.6, "Q8_0": 0.02 / 74, "Q4_K": 0.02 / 218, "Q6_K": 0.02 / (74 * 18.5)}
-FILE_TYPES = ("Q4_0", "Q8_0", "Q4_K")  # --types; Q4_K is llama.cpp's Q4_K_M mix
+# MXFP4: an E8M0 scale byte 2^(e - 127); E2M1 codes uniform over 0, +-0.5, ..., +-6 have a std of 2.9: 2^-7 * 2.9.
+MXFP4_SCALE_BYTE = 120
+FILE_TYPES = ("Q4_0", "Q8_0", "Q4_K", "MXFP4")  # --types; Q4_K is llama.cpp's Q4_K_M mix, MXFP4 gpt-oss's file
 TOKENIZER_SOURCE = "smollm2-135m"
 
 
@@ -83,12 +89,19 @@ def tensors(s: Shape):
             if s.qkv_bias:
                 yield f"{b}.{name}.bias", (rows,)
         yield f"{b}.attn_output.weight", (s.hidden, s.heads * head_dim)
-        yield f"{b}.ffn_norm.weight", (s.hidden,)
+        if s.gpt_oss:
+            yield f"{b}.attn_output.bias", (s.hidden,)
+            yield f"{b}.attn_sinks.weight", (s.heads,)
+        yield f"{b}.{'post_attention_norm' if s.gpt_oss else 'ffn_norm'}.weight", (s.hidden,)
         if s.experts:  # the router stays float, as llama.cpp's quantizer leaves it
             yield f"{b}.ffn_gate_inp.weight", (s.experts, s.hidden)
-            yield f"{b}.ffn_gate_exps.weight", (s.experts, s.intermediate, s.hidden)
-            yield f"{b}.ffn_up_exps.weight", (s.experts, s.intermediate, s.hidden)
-            yield f"{b}.ffn_down_exps.weight", (s.experts, s.hidden, s.intermediate)
+            if s.gpt_oss:
+                yield f"{b}.ffn_gate_inp.bias", (s.experts,)
+            for name, rows, cols in (("ffn_gate_exps", s.intermediate, s.hidden), ("ffn_up_exps", s.intermediate, s.hidden),
+                                     ("ffn_down_exps", s.hidden, s.intermediate)):
+                yield f"{b}.{name}.weight", (s.experts, rows, cols)
+                if s.gpt_oss:
+                    yield f"{b}.{name}.bias", (s.experts, rows)
             continue
         yield f"{b}.ffn_gate.weight", (s.intermediate, s.hidden)
         yield f"{b}.ffn_up.weight", (s.intermediate, s.hidden)
@@ -107,7 +120,10 @@ def use_more_bits(layer: int, layers: int) -> bool:
 def tensor_type(name: str, file_type: str, s: Shape) -> str:
     """The GGML type of matrix `name` in a file of `file_type`. Q4_K is llama.cpp's Q4_K_M for dense models: Q4_K,
     but Q6_K for the output matrix (the token embedding where it is tied: llama.cpp's `!has_output` case) and for
-    attn_v and ffn_down where use_more_bits. Q4_0 and Q8_0 files hold every matrix in their type."""
+    attn_v and ffn_down where use_more_bits. Q4_0 and Q8_0 files hold every matrix in their type. MXFP4 is gpt-oss's
+    file (ggml-org's gpt-oss-20b-mxfp4.gguf): the experts in MXFP4, every other matrix in Q8_0."""
+    if file_type == "MXFP4":
+        return "MXFP4" if name.split(".")[2:3] in (["ffn_gate_exps"], ["ffn_up_exps"], ["ffn_down_exps"]) else "Q8_0"
     if file_type != "Q4_K":
         return file_type
     if name == "output.weight" or (name == "token_embd.weight" and s.tied):
@@ -132,7 +148,10 @@ def random_blocks(rng, shape, qtype: str) -> np.ndarray:
         return kquant_blocks.random_blocks(qt, rows * cols // block, rng, (d / 2, d * 2)).reshape(rows, -1)
     raw = np.frombuffer(rng.bytes(rows * cols // block * block_bytes), dtype=np.uint8).reshape(rows, -1, block_bytes)
     raw = raw.copy()
-    raw[..., :2] = np.frombuffer(np.float16(SCALES[qtype]).tobytes(), dtype=np.uint8)
+    if qtype == "MXFP4":
+        raw[..., 0] = MXFP4_SCALE_BYTE
+    else:
+        raw[..., :2] = np.frombuffer(np.float16(SCALES[qtype]).tobytes(), dtype=np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -163,6 +182,11 @@ def write_shape(path: Path, s: Shape, file_type: str, seed: int = 0):
         for key, value in [("expert_count", s.experts), ("expert_used_count", s.experts_used),
                            ("expert_feed_forward_length", s.intermediate)]:
             w.add_uint32(f"{a}.{key}", value)
+    if s.gpt_oss:  # gpt-oss-20b's config.json: YaRN x32 over 4k, windows of 128
+        w.add_uint32(f"{a}.attention.sliding_window", 128)
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", 32.0)
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", 4096)
     w.add_float32(f"{a}.rope.freq_base", s.rope_theta)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", s.eps)
     w.add_string("general.name", f"random {path.stem}")
@@ -177,8 +201,8 @@ def write_shape(path: Path, s: Shape, file_type: str, seed: int = 0):
             w.add_uint32(key, value)
     if file_type == "Q4_K":
         w.add_uint32("general.file_type", gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    specs = [(name, shape, len(shape) > 1 and "ffn_gate_inp" not in name and tensor_type(name, file_type, s))
-             for name, shape in tensors(s)]
+    specs = [(name, shape, len(shape) > 1 and "ffn_gate_inp" not in name and not name.endswith(".bias") and
+              tensor_type(name, file_type, s)) for name, shape in tensors(s)]
     for name, shape, qtype in specs:
         if not qtype:
             w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
@@ -196,8 +220,10 @@ def write_shape(path: Path, s: Shape, file_type: str, seed: int = 0):
     for name, shape, qtype in specs:  # one tensor in memory at a time
         if qtype:
             w.write_tensor_data(random_blocks(rng, shape, qtype).reshape(*shape[:-1], -1))
-        elif "ffn_gate_inp" in name:  # a random router, so that tokens spread over the experts as trained ones do
-            w.write_tensor_data(rng.normal(0, 0.02, shape).astype(np.float32))
+        elif name.endswith("ffn_gate_inp.weight"):  # a random router, so that tokens spread over the experts as
+            w.write_tensor_data(rng.normal(0, 0.02, shape).astype(np.float32))  # trained ones do
+        elif name.endswith(".bias") or "attn_sinks" in name:
+            w.write_tensor_data(np.zeros(shape, np.float32))
         else:
             w.write_tensor_data(np.ones(shape, np.float32))
     w.close()

@@ -2,11 +2,11 @@
 format and shape, beside x.sum() over as many bytes (the machine's read bandwidth), optionally beside the kernels of
 another git revision, taking turns in every round.
 
-    python bench/stream.py                                  # Llama-3.1-8B and Qwen3-30B-A3B expert matrices
+    python bench/stream.py                                  # Llama-3.1-8B's, Qwen3-30B-A3B's and gpt-oss-20b's experts
     python bench/stream.py --baseline c22ff8b --threads 1   # A/B against a revision, on one core
 
 The weights are random tiles in the packed layouts the GGUF loader makes (speed depends on bytes, not values), with
-valid fp16 scales, in huge pages as a loaded model's are (fastdecode.memory), and enough copies of each matrix
+valid scales, in huge pages as a loaded model's are (fastdecode.memory), and enough copies of each matrix
 (called in turn) that none is served from cache. Writes stream.json (with the commit) and stream.md.
 """
 import argparse
@@ -20,21 +20,26 @@ from common import command_line, git, machine, markdown_table, native_kernels_at
 from fastdecode import memory
 from fastdecode.kernels import native_ops
 
-# format: (op name, bytes per tile of 4 rows and K step, K step, where the fp16 scales lie in a tile)
+# format: (op name, bytes per tile of 4 rows and K step, K step, where the fp16 scales lie in a tile; MXFP4: its
+# E8M0 scale bytes)
 FORMATS = {"Q4_0": ("q4_linear", 160, 64, 32), "Q8_0": ("q8_linear", 272, 64, 16),
-           "Q4_K": ("kq_linear", 592, 256, 16), "Q6_K": ("kq_linear", 840, 256, 8)}
-# (N, K) of the matrices a token reads: Llama-3.1-8B's q/k/v, o, gate/up, down; Qwen3-30B-A3B's experts
+           "Q4_K": ("kq_linear", 592, 256, 16), "Q6_K": ("kq_linear", 840, 256, 8), "MXFP4": ("fp4_linear", 136, 64, 8)}
+# (N, K) of the matrices a token reads: Llama-3.1-8B's q/k/v, o, gate/up, down; the MoE models' experts
 MATRICES = {"llama-3.1-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
-            "qwen3-30b-a3b expert": [(1536, 2048), (2048, 768)]}
+            "qwen3-30b-a3b expert": [(1536, 2048), (2048, 768)],
+            "gpt-oss-20b expert": [(5760, 2880), (2880, 2880)]}
 WORKING_SET = 400e6  # bytes of copies per matrix: well past the last-level cache
 
 
 def tiles(fmt: str, n: int, k: int, copies: int) -> torch.Tensor:
-    """(copies, N/4, K/step, bytes) random tiles in one huge-page buffer, every fp16 scale 2^-8 (no denormals)."""
+    """(copies, N/4, K/step, bytes) random tiles in one huge-page buffer, every scale 2^-8 (no denormals)."""
     _, size, step, scales = FORMATS[fmt]
     t = memory.zeros(copies, n // 4, k // step, size, dtype=torch.uint8)
     t.copy_(torch.randint(0, 256, t.shape[1:], dtype=torch.uint8).expand_as(t))
-    t[..., :scales].view(torch.float16).fill_(2 ** -8)
+    if fmt == "MXFP4":
+        t[..., :scales] = 127 - 8  # E8M0: 2^(e - 127)
+    else:
+        t[..., :scales].view(torch.float16).fill_(2 ** -8)
     return t
 
 
@@ -71,10 +76,13 @@ def main():
             op = FORMATS[fmt][0]
             for n, k in matrices:
                 _, size, step, _ = FORMATS[fmt]
+                if k % step:  # a shape the format cannot hold (K-quants at gpt-oss's 2880)
+                    continue
                 one = n // 4 * k // step * size
                 ws = tiles(fmt, n, k, max(2, int(WORKING_SET // one)))
                 x = torch.randn(1, k)
-                calls = {b: (lambda ops=ops: [getattr(ops, op)(x, w, None) for w in ws]) for b, ops in builds.items()}
+                calls = {b: (lambda ops=ops: [getattr(ops, op)(x, w, None) for w in ws]) for b, ops in builds.items()
+                         if hasattr(ops, op)}  # a baseline from before the format's kernel has none
                 samples = {b: [] for b in builds}
                 for fn in calls.values():
                     fn()  # warm up
@@ -83,10 +91,11 @@ def main():
                         samples[b].append(ws.numel() / timed(fn) / 1e9)
                 row = {"model": model, "format": fmt, "N": n, "K": k, "MB": round(one / 1e6, 1),
                        "copies": ws.shape[0],
-                       **{b: {"median": statistics.median(v), "min": min(v), "max": max(v)} for b, v in samples.items()}}
+                       **{b: {"median": statistics.median(v), "min": min(v), "max": max(v)} for b, v in samples.items()
+                          if v}}
                 rows.append(row)
                 print(f"{model:<22} {fmt} {n:>6}x{k:<6} {row['MB']:6.1f} MB  "
-                      + "  ".join(f"{b} {row[b]['median']:5.1f} GB/s" for b in builds), flush=True)
+                      + "  ".join(f"{b} {row[b]['median']:5.1f} GB/s" for b in calls), flush=True)
     commit = git("rev-parse", "HEAD").decode().strip()
     dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
     report = {"benchmark": "stream", "commit": commit, "dirty": dirty, "command": command_line(),
@@ -94,7 +103,8 @@ def main():
     write_json(a.out / "stream.json", report)
     headers = ["model", "format", "N x K", "MB"] + [f"{b} GB/s" for b in builds]
     table = [[r["model"], r["format"], f"{r['N']}x{r['K']}", f"{r['MB']:.1f}"]
-             + [f"{r[b]['median']:.1f} ({r[b]['min']:.1f}-{r[b]['max']:.1f})" for b in builds] for r in rows]
+             + [f"{r[b]['median']:.1f} ({r[b]['min']:.1f}-{r[b]['max']:.1f})" if b in r else "-" for b in builds]
+             for r in rows]
     (a.out / "stream.md").write_text(
         f"# bench/stream.py at {commit[:10]}{' (dirty)' if dirty else ''}\n\n`{report['command']}`\n\n"
         f"One activation row, {a.threads} threads; x.sum() over {WORKING_SET / 1e6:.0f} MB reads {read:.1f} GB/s. "

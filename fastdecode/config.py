@@ -75,6 +75,11 @@ class ModelConfig:
         return self.family == "gpt_oss"
 
     @property
+    def softmax_after_topk(self) -> bool:
+        """gpt-oss's router: the top-k logits, then their softmax (Qwen3-MoE's: a softmax over all, then the top k)."""
+        return self.family == "gpt_oss"
+
+    @property
     def moe_bias(self) -> bool:
         """gpt-oss: its router and experts carry biases."""
         return self.family == "gpt_oss"

@@ -15,13 +15,13 @@ from fastdecode.kernels.jit import build, kernel_isa, native_enabled
 __all__ = ["kernel_isa", "native_enabled", "native_ops"]
 
 SOURCES = [Path(__file__).with_name(n)
-           for n in ("quant.cpp", "amx.cpp", "kquant.cpp", "decode_step.cpp", "copy.cpp", "bindings.cpp")]
+           for n in ("quant.cpp", "amx.cpp", "kquant.cpp", "fp4.cpp", "decode_step.cpp", "copy.cpp", "bindings.cpp")]
 
 
 @functools.cache
 def native_ops():
-    """The compiled module (q8_linear, q4_linear, kq_linear, forward_batch, copy_strided) for the widest instruction
-    set this CPU runs (kernel_isa), or None where it cannot be had."""
+    """The compiled module (q8_linear, q4_linear, kq_linear, fp4_linear, forward_batch, copy_strided) for the widest
+    instruction set this CPU runs (kernel_isa), or None where it cannot be had."""
     return native_ops_for(kernel_isa() if native_enabled() else "avx2")
 
 

@@ -6,10 +6,12 @@ namespace fastdecode {
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor copy_strided(at::Tensor dst, const at::Tensor& src);
 void kq_pack(at::Tensor out, const at::Tensor& blocks);
 void q4_pack(at::Tensor out, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins);
 void q8_pack(at::Tensor out, const at::Tensor& q, const at::Tensor& scales);
+void fp4_pack(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales);
 bool amx_int8_ready();
 }  // namespace fastdecode
 
@@ -18,7 +20,8 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
                          const at::Tensor& block_table, int64_t block_size, const at::Tensor& tree_mask,
                          const at::Tensor& rope_global, const at::Tensor& rope_local, const std::vector<int64_t>& windows,
                          int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu,
-                         int64_t top_k, bool norm_topk);
+                         double swiglu_limit, double swiglu_alpha, int64_t top_k, bool norm_topk,
+                         bool softmax_after_topk);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W 8-bit packed (N/4, K/32, 144) with fp16 block scales and offsets, or Q8_0 pair tiles (N/4, K/64, 272)");
@@ -29,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "not 0, the AVX-512 build)");
   m.def("kq_linear", &fastdecode::kq_linear,
         "y = x @ W.T + bias, W a GGUF K-quant (Q4_K, Q5_K, Q6_K) packed (N/4, K/256, 592 | 720 | 840)");
+  m.def("fp4_linear", &fastdecode::fp4_linear,
+        "y = x @ W.T + bias, W MXFP4 packed (N/4, K/64, 136) with E8M0 block scales");
   m.def("copy_strided", &fastdecode::copy_strided, py::call_guard<py::gil_scoped_release>(),
         "dst[...] = src (one dtype and shape, any strides), contiguous runs moved as one, split across threads");
   m.def("kq_pack", &fastdecode::kq_pack, py::call_guard<py::gil_scoped_release>(),
@@ -37,6 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Q4_0 / Q4_1 blocks (nibbles, fp16 scales and mins) -> q4_linear's packed tiles, written into out");
   m.def("q8_pack", &fastdecode::q8_pack, py::call_guard<py::gil_scoped_release>(),
         "Q8_0 blocks (int8 values, fp16 scales) -> q8_linear's packed pair tiles, written into out");
+  m.def("fp4_pack", &fastdecode::fp4_pack, py::call_guard<py::gil_scoped_release>(),
+        "MXFP4 blocks (code bytes, E8M0 scale bytes) -> fp4_linear's packed tiles, written into out");
   // The GIL is released: a server's event loop keeps answering while a step runs.
   m.def("forward_batch", &forward_batch, py::call_guard<py::gil_scoped_release>(),
         "the new rows of a batch of sequences (decode steps, prompt chunks, draft trees) through every layer over a "

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -24,16 +25,18 @@ namespace fastdecode {
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 }  // namespace fastdecode
 
 namespace {
 
 // Tensors of one layer, in this order (an empty tensor stands for "absent").
 enum Slot {
-  IN_NORM, POST_ATTN_NORM, PRE_FF_NORM, POST_FF_NORM, Q_NORM, K_NORM,
+  IN_NORM, POST_ATTN_NORM, PRE_FF_NORM, POST_FF_NORM, Q_NORM, K_NORM, SINKS,
   QKV_W, QKV_B, QKV2_W, QKV2_B, O_W, O_B, GU_W, GU_B, DOWN_W, DOWN_B,
   ROUTER_W, ROUTER_B, EXPERT_GU_W, EXPERT_GU_B, EXPERT_DOWN_W, EXPERT_DOWN_B, K_CACHE, V_CACHE, SLOTS
 };
+// SINKS: gpt-oss's learned logit per head, which joins each softmax's denominator (attention may go to no token).
 // QKV2: the q/k/v's second part where its rows come in two formats (a Q4_K_M file's Q6_K v beside Q4_K q/k).
 // A mixture-of-experts layer has ROUTER_W (E, D) in place of GU_W, and its experts' gate/up and down weights stacked
 // along a first dimension of E (each expert's slice in the layout linear() takes; biases (E, N) or absent).
@@ -41,13 +44,15 @@ enum Slot {
 inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // A float weight (N, K), or a packed quantized one, told apart by its tile size: 8-bit (N/4, K/32, 144 or N/4, K/64,
-// 272) or int4 (N/4, K/64, 160) (quant.cpp), a GGUF K-quant (N/4, K/256, 592 | 720 | 840) (kquant.cpp).
+// 272) or int4 (N/4, K/64, 160) (quant.cpp), a GGUF K-quant (N/4, K/256, 592 | 720 | 840) (kquant.cpp), MXFP4
+// (N/4, K/64, 136) (fp4.cpp).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   c10::optional<at::Tensor> bias = present(b) ? c10::optional<at::Tensor>(b) : c10::nullopt;
   if (w.scalar_type() != at::kByte) return at::linear(x, w, bias);
   switch (w.size(2)) {
     case 144: case 272: return fastdecode::q8_linear(x, w, bias);
     case 160: return fastdecode::q4_linear(x, w, bias);
+    case 136: return fastdecode::fp4_linear(x, w, bias);
     default: return fastdecode::kq_linear(x, w, bias);
   }
 }
@@ -327,9 +332,9 @@ void fold(Partial& state, const Partial& c, int64_t hd, bool first) {
   for (; d < hd; ++d) state.o[d] = std::fma(c.o[d], b, state.o[d] * a);
 }
 
-// out (hd) <- o / l.
-void finish(const Partial& s, int64_t hd, float* out) {
-  const float inv = 1.f / s.l;
+// out (hd) <- o / (l + e^(sink - m)): the sink's term (none: -inf, whose term is 0) joins the denominator.
+void finish(const Partial& s, int64_t hd, float sink, float* out) {
+  const float inv = 1.f / (s.l + std::exp(sink - s.m));
   for (int64_t d = 0; d < hd; ++d) out[d] = s.o[d] * inv;
 }
 
@@ -415,7 +420,7 @@ void attend_chunks(const std::vector<const float*>& q, const std::vector<const V
 template <typename KV>
 void attend_plain(const std::vector<const float*>& q, const std::vector<float*>& out,
                   const std::vector<const Visible*>& seen, const KV* k, const KV* v, const SeqRows& sr,
-                  int64_t block_size, int64_t hd, float scale) {
+                  int64_t block_size, int64_t hd, float scale, const std::vector<float>& sink) {
   std::vector<int64_t> slots;
   std::vector<float> p;
   for (size_t i = 0; i < q.size(); ++i) {
@@ -432,7 +437,7 @@ void attend_plain(const std::vector<const float*>& q, const std::vector<float*>&
       p[j] = s * scale;
       mx = std::max(mx, p[j]);
     }
-    float sum = 0.f;
+    float sum = std::exp(sink[i] - mx);
     for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - mx));
     float* o = out[i];
     for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
@@ -454,7 +459,7 @@ void attend_plain(const std::vector<const float*>& q, const std::vector<float*>&
 template <typename KV>
 void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, int64_t S, int64_t hd,
                const std::vector<SeqRows>& seqs, int64_t block_size, const int64_t* positions, const int64_t* slots,
-               const bool* mask, int64_t R, int64_t window, float scale, float* out) {
+               const bool* mask, int64_t R, int64_t window, float scale, const float* sinks, float* out) {
   constexpr int64_t SPLIT_ROWS = 16;  // a sequence of up to this many rows may be split by chunk
   const int64_t group = H / K, threads = at::get_num_threads(), nseq = seqs.size();
   const bool chunked = hd % VW == 0;
@@ -519,23 +524,24 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
     std::vector<float*> outs;
     std::vector<const Visible*> vis;
     std::vector<int64_t> rows, heads;
-    std::vector<float> state_o;
+    std::vector<float> state_o, sink;
     std::vector<Partial> state;
     for (int64_t it = i0; it < i1; ++it) {
       const Item& item = items[it];
       const SeqRows& sr = seqs[item.seq];
-      qs.clear(), outs.clear(), vis.clear(), rows.clear(), heads.clear();
+      qs.clear(), outs.clear(), vis.clear(), rows.clear(), heads.clear(), sink.clear();
       for (int64_t r = item.lo; r < item.hi; ++r) {
         const int64_t t = sr.r0 + r / group, h = item.g * group + r % group;
         qs.push_back(q + (t * H + h) * hd);
         outs.push_back(out + (t * H + h) * hd);
         vis.push_back(&seen[t]);
         rows.push_back(t), heads.push_back(h);
+        sink.push_back(sinks ? sinks[h] : -std::numeric_limits<float>::infinity());
       }
       const KV* kg = k + item.g * S * hd;
       const KV* vg = v + item.g * S * hd;
       if (!chunked) {
-        attend_plain(qs, outs, vis, kg, vg, sr, block_size, hd, scale);
+        attend_plain(qs, outs, vis, kg, vg, sr, block_size, hd, scale, sink);
         continue;
       }
       const auto run = [&](auto emit) {
@@ -550,7 +556,7 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
       for (int64_t i = 0; i < n; ++i) state[i].o = state_o.data() + i * hd;
       if (split[item.seq].base < 0) {  // the item holds all its queries' chunks: fold as they come
         run([&](int64_t i, int64_t, const Partial& p) { fold(state[i], p, hd, state[i].l == 0); });
-        for (int64_t i = 0; i < n; ++i) finish(state[i], hd, outs[i]);
+        for (int64_t i = 0; i < n; ++i) finish(state[i], hd, sink[i], outs[i]);
         continue;
       }
       run([&](int64_t i, int64_t c, const Partial& p) {
@@ -564,38 +570,59 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
           float* src = part_at(item.seq, rows[i], heads[i], c);
           if (src[1] > 0) fold(state[i], {src[0], src[1], src + 2}, hd, state[i].l == 0);
         }
-        finish(state[i], hd, outs[i]);
+        finish(state[i], hd, sink[i], outs[i]);
       }
     }
   });
 }
 
-// The gated activation of the MLP, in place on the first half of g (2 I): g[i] = act(g[i]) * g[I + i], where act is
-// SiLU, x / (1 + e^-x), or GELU's tanh approximation, x / (1 + e^(-2u)) with u = sqrt(2 / pi) (x + 0.044715 x^3).
-void gated_activation(float* g, int64_t I, bool gelu) {
-  const __m256 one = _mm256_set1_ps(1.0f);
+// An MLP's gated activation: SiLU or GELU's tanh approximation times the up branch, or (limit > 0) gpt-oss's clamped
+// SwiGLU, x sigmoid(alpha x) (u + 1) with the gate x clamped above at limit and the up branch u to +-limit.
+struct Gate {
+  bool gelu;
+  float limit, alpha;
+};
+
+// In place on the first half of g (2 I): g[i] = act(x) * y with x = g[i], y = g[I + i], where act(x) = x / (1 + e^-z):
+// z = x for SiLU, 2u with u = sqrt(2 / pi) (x + 0.044715 x^3) for GELU; gpt-oss: x, y clamped, z = alpha x, y + 1.
+void gated_activation(float* g, int64_t I, Gate gate) {
+  const __m256 one = _mm256_set1_ps(1.0f), limit = _mm256_set1_ps(gate.limit), alpha = _mm256_set1_ps(gate.alpha);
+  const bool clamped = gate.limit > 0;
   int64_t i = 0;
   for (; i + 8 <= I; i += 8) {
-    const __m256 x = _mm256_loadu_ps(g + i);
+    __m256 x = _mm256_loadu_ps(g + i), y = _mm256_loadu_ps(g + I + i);
     __m256 z = x;  // act(x) = x / (1 + e^-z)
-    if (gelu) {
+    if (clamped) {
+      x = _mm256_min_ps(x, limit);
+      y = _mm256_add_ps(_mm256_max_ps(_mm256_min_ps(y, limit), _mm256_sub_ps(_mm256_setzero_ps(), limit)), one);
+      z = _mm256_mul_ps(x, alpha);
+    } else if (gate.gelu) {
       const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
       z = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
     }
     const __m256 e = exp_any(_mm256_sub_ps(_mm256_setzero_ps(), z));
-    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(g + I + i)));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), y));
   }
   for (; i < I; ++i) {
-    const float x = g[i];
-    const float z = gelu ? 2.0f * 0.7978845608028654f * (x + 0.044715f * x * x * x) : x;
-    g[i] = x / (1.f + std::exp(-z)) * g[I + i];
+    float x = g[i], y = g[I + i], z = x;
+    if (clamped) {
+      x = std::min(x, gate.limit);
+      y = std::max(std::min(y, gate.limit), -gate.limit) + 1.f;
+      z = x * gate.alpha;
+    } else if (gate.gelu) {
+      z = 2.0f * 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    }
+    g[i] = x / (1.f + std::exp(-z)) * y;
   }
 }
 
-// An MoE block (Qwen3-MoE), as models/moe.py computes it: h (T, D) -> sum over each row's top-k experts of the
-// router weight times that expert's SwiGLU. Rows are grouped by expert, so each routed expert's weights are read
-// once per call however many rows chose it, and experts no row chose are not read at all.
-at::Tensor moe(const at::Tensor& h, const at::Tensor* w, int64_t top_k, bool norm_topk, bool gelu) {
+// An MoE block (Qwen3-MoE, gpt-oss), as models/moe.py computes it: h (T, D) -> sum over each row's top-k experts of
+// the router weight times that expert's gated MLP. The weights: a softmax over all experts' logits, then the top k
+// (renormalised when norm_topk), or (softmax_after_topk, gpt-oss) the top k logits, then their softmax. Rows are
+// grouped by expert, so each routed expert's weights are read once per call however many rows chose it, and experts
+// no row chose are not read at all.
+at::Tensor moe(const at::Tensor& h, const at::Tensor* w, int64_t top_k, bool norm_topk, bool softmax_after_topk,
+               Gate gate) {
   const int64_t T = h.size(0), D = h.size(1), E = w[ROUTER_W].size(0);
   TORCH_CHECK(w[ROUTER_W].scalar_type() == at::kFloat && w[ROUTER_W].is_contiguous() && w[ROUTER_W].size(1) == D,
               "the router must be a contiguous float32 (E, D) matrix");
@@ -616,9 +643,15 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor* w, int64_t top_k, bool nor
       logits.data_ptr<float>()[i] = sum + (present(w[ROUTER_B]) ? w[ROUTER_B].data_ptr<float>()[i % E] : 0.f);
     }
   });
-  at::Tensor probs = at::softmax(logits, -1, at::kFloat);
-  auto [weight, expert] = at::topk(probs, top_k);  // (T, k): torch.topk's order, so ties break as in PyTorch
-  if (norm_topk) weight = weight / weight.sum(-1, true);
+  at::Tensor weight, expert;  // (T, k): torch.topk's order, so ties break as in PyTorch
+  if (softmax_after_topk) {
+    std::tie(weight, expert) = at::topk(logits, top_k);
+    weight = at::softmax(weight, -1);
+  } else {
+    std::tie(weight, expert) = at::topk(at::softmax(logits, -1, at::kFloat), top_k);
+    if (norm_topk) weight = weight / weight.sum(-1, true);
+  }
+  weight = weight.contiguous();
   const float* WT = weight.data_ptr<float>();
   const int64_t* ID = expert.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> chosen(E);  // expert -> indices t * k + j of the choices routed to it
@@ -638,7 +671,7 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor* w, int64_t top_k, bool nor
     for (int64_t r = 0; r < n; ++r) rows[i].data_ptr<int64_t>()[r] = chosen[e][r] / top_k;
     at::Tensor gu = linear(n == T ? h : h.index_select(0, rows[i]), w[EXPERT_GU_W][e], part(w[EXPERT_GU_B], e));
     const int64_t I = gu.size(1) / 2;
-    for (int64_t r = 0; r < n; ++r) gated_activation(gu.data_ptr<float>() + r * 2 * I, I, gelu);
+    for (int64_t r = 0; r < n; ++r) gated_activation(gu.data_ptr<float>() + r * 2 * I, I, gate);
     outs[i] = linear(gu.narrow(1, 0, I), w[EXPERT_DOWN_W][e], part(w[EXPERT_DOWN_B], e));
   };
   if (most <= 4) {
@@ -674,14 +707,15 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor* w, int64_t top_k, bool nor
 // of its prompt, or a chain or token tree being verified (tree_mask (R, R) bool: row r sees row j of its own sequence
 // iff j is r or an ancestor; empty: every sequence's rows are a causal chain). rope_* are (2, P, hd) cos/sin tables;
 // windows[l] is layer l's sliding window (0: attends to everything); MoE layers route each row to its top_k experts
-// (weights renormalised to sum to 1 when norm_topk). Caches are (..., K, slots, hd) per layer, all
-// float32 or all float16.
+// (see moe); the MLPs' gate is SiLU, GELU, or gpt-oss's clamped SwiGLU where swiglu_limit > 0. Caches are
+// (..., K, slots, hd) per layer, all float32 or all float16.
 at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
                          const at::Tensor& slots, const at::Tensor& seq_rows, const at::Tensor& context,
                          const at::Tensor& block_table, int64_t block_size, const at::Tensor& tree_mask,
                          const at::Tensor& rope_global, const at::Tensor& rope_local, const std::vector<int64_t>& windows,
                          int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu,
-                         int64_t top_k, bool norm_topk) {
+                         double swiglu_limit, double swiglu_alpha, int64_t top_k, bool norm_topk,
+                         bool softmax_after_topk) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (R, D) float32");
   TORCH_CHECK(weights.size() == windows.size() * SLOTS, "weights do not match the layer count");
   const int64_t T = x.size(0), D = x.size(1), L = windows.size(), qn = H * hd, kn = K * hd, B = context.numel();
@@ -717,11 +751,15 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
   at::Tensor h = at::empty({T, D}, x.options()), attn = at::empty({T, qn}, x.options());
   float* Hs = h.data_ptr<float>();
   const float epsf = static_cast<float>(eps), scale = static_cast<float>(attn_scale);
+  const Gate gate{gelu, static_cast<float>(swiglu_limit), static_cast<float>(swiglu_alpha)};
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * SLOTS;
     const int64_t S = w[K_CACHE].size(-2), window = windows[l];
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(0 <= SL[t] && SL[t] < S, "slot ", SL[t], " is past the cache of ", S);
     const at::Tensor& rope = window ? rope_local : rope_global;
+    TORCH_CHECK(!present(w[SINKS]) || (w[SINKS].scalar_type() == at::kFloat && w[SINKS].numel() == H &&
+                                       w[SINKS].is_contiguous()), "sinks must be (H,) float32");
+    const float* sinks = present(w[SINKS]) ? w[SINKS].data_ptr<float>() : nullptr;
 
     for (int64_t t = 0; t < T; ++t) rms_norm(X + t * D, w[IN_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
     at::Tensor qkv = linear(h, w[QKV_W], w[QKV_B]);  // (T, qn + 2 kn)
@@ -753,10 +791,10 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
     }
     if (half)
       attention(qs.data_ptr<float>(), static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), H, K, S, hd,
-                seqs, block_size, P, SL, M, T, window, scale, attn.data_ptr<float>());
+                seqs, block_size, P, SL, M, T, window, scale, sinks, attn.data_ptr<float>());
     else
       attention(qs.data_ptr<float>(), static_cast<const float*>(kc), static_cast<const float*>(vc), H, K, S, hd, seqs,
-                block_size, P, SL, M, T, window, scale, attn.data_ptr<float>());
+                block_size, P, SL, M, T, window, scale, sinks, attn.data_ptr<float>());
     at::Tensor o = linear(attn, w[O_W], w[O_B]);
     float* O = o.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
@@ -774,11 +812,11 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
     at::Tensor d;
     if (present(w[ROUTER_W])) {
       TORCH_CHECK(0 < top_k && top_k <= w[ROUTER_W].size(0), "top_k must be within the expert count");
-      d = moe(h, w, top_k, norm_topk, gelu);
+      d = moe(h, w, top_k, norm_topk, softmax_after_topk, gate);
     } else {
       at::Tensor gu = linear(h, w[GU_W], w[GU_B]);  // (T, 2 I)
       const int64_t I = gu.size(1) / 2;
-      for (int64_t t = 0; t < T; ++t) gated_activation(gu.data_ptr<float>() + t * 2 * I, I, gelu);
+      for (int64_t t = 0; t < T; ++t) gated_activation(gu.data_ptr<float>() + t * 2 * I, I, gate);
       d = linear(gu.narrow(1, 0, I), w[DOWN_W], w[DOWN_B]);
     }
     float* Dn = d.data_ptr<float>();

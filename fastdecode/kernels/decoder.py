@@ -10,7 +10,7 @@ from fastdecode.quant.split import RowSplitLinear
 
 EMPTY = torch.empty(0)
 ZERO_TABLE = torch.zeros(1, 1, dtype=torch.long)
-SLOTS = 24  # tensors per layer, in decode_step.cpp's Slot order
+SLOTS = 25  # tensors per layer, in decode_step.cpp's Slot order
 
 
 def weight_name(module: nn.Module) -> str | None:
@@ -82,15 +82,16 @@ def stacked_experts(moe: SparseMoE) -> list[torch.Tensor] | None:
 
 
 def layer_tensors(block) -> list[list[torch.Tensor] | None]:
-    """A block's norms, its linears' (weight, bias) pairs (q/k/v: two parts), then an MoE block's router and stacked
-    experts, in decode_step.cpp's slot order."""
+    """A block's norms and attention sinks, its linears' (weight, bias) pairs (q/k/v: two parts), then an MoE block's
+    router and stacked experts, in decode_step.cpp's slot order."""
     attn, mlp = block.self_attn, block.mlp
 
     def norm(name, owner=block):
         m = getattr(owner, name, None)
         return m.weight if m is not None else EMPTY
     norms = [norm("input_layernorm"), norm("post_attention_layernorm"), norm("pre_feedforward_layernorm"),
-             norm("post_feedforward_layernorm"), norm("q_norm", attn), norm("k_norm", attn)]
+             norm("post_feedforward_layernorm"), norm("q_norm", attn), norm("k_norm", attn),
+             attn.sinks.detach() if attn.sinks is not None else EMPTY]
     attention = [linear_tensors(attn.qkv_proj, parts=2), linear_tensors(attn.o_proj)]
     if isinstance(mlp, SparseMoE):
         experts = stacked_experts(mlp)
@@ -106,9 +107,7 @@ def layer_weights(block) -> list[torch.Tensor]:
 
 def model_supported(model) -> bool:
     """Float32 embeddings on the CPU, and every linear one decode_step.cpp runs (an MoE block's experts all of one
-    kind and shape). gpt-oss is not: its attention sinks, clamped SwiGLU and softmax after the top-k are not there."""
-    if model.config.family == "gpt_oss":
-        return False
+    kind and shape)."""
     layers_ok = all(group is not None for block in model.layers for group in layer_tensors(block))
     return (model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.device.type == "cpu"
             and layers_ok)
@@ -120,7 +119,8 @@ def layer_args(model) -> dict:
     return dict(windows=[c.sliding_window if c.is_sliding(i) else 0 for i in range(c.num_hidden_layers)],
                 H=c.num_attention_heads, K=c.num_key_value_heads, hd=c.head_dim, eps=c.rms_norm_eps,
                 scale=c.attention_scale, sandwich=c.family == "gemma3", gelu=c.hidden_act.startswith("gelu"),
-                top_k=c.num_experts_per_tok, norm_topk=c.norm_topk_prob)
+                swiglu_limit=c.swiglu_limit or 0.0, swiglu_alpha=c.swiglu_alpha, top_k=c.num_experts_per_tok,
+                norm_topk=c.norm_topk_prob, softmax_after_topk=c.softmax_after_topk)
 
 
 class NativeDecoder:
@@ -184,7 +184,8 @@ class NativeDecoder:
             x, self.weights[start * SLOTS:stop * SLOTS], positions, torch.arange(slot0, slot0 + T),
             torch.tensor([0, T]), torch.tensor([slot0]), ZERO_TABLE, m.max_seq_len,
             EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local, a["windows"][start:stop],
-            a["H"], a["K"], a["hd"], a["eps"], a["scale"], a["sandwich"], a["gelu"], a["top_k"], a["norm_topk"])
+            a["H"], a["K"], a["hd"], a["eps"], a["scale"], a["sandwich"], a["gelu"], a["swiglu_limit"],
+            a["swiglu_alpha"], a["top_k"], a["norm_topk"], a["softmax_after_topk"])
 
 
 def native_decoder(model) -> NativeDecoder | None:

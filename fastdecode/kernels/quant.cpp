@@ -316,23 +316,6 @@ void q8_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, con
   }
 }
 
-// All M rows against pair tile t, up to 4 rows a pass (AVX2's 16 registers: 2), the tile's 4 rows read once a pass.
-constexpr int64_t Q8_PASS_ROWS = VW == 16 ? 4 : 2;
-void q8_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, const int32_t* xc, int64_t M, int64_t N,
-             int64_t t, float* y) {
-  constexpr int64_t MR = Q8_PASS_ROWS;
-  const int64_t pairs = K / 64;
-  int64_t m = 0;
-  const auto pass = [&](auto rows) {
-    q8_pass<decltype(rows)::value>(w, K, xq + m * K, xs + m * pairs * 16, xc + m * pairs * 8, N, t, y + m * N);
-    m += decltype(rows)::value;
-  };
-  while (M - m >= MR) pass(std::integral_constant<int, MR>{});
-  if (M - m == 3) pass(std::integral_constant<int, 3>{});
-  if (M - m == 2) pass(std::integral_constant<int, 2>{});
-  if (M - m == 1) pass(std::integral_constant<int, 1>{});
-}
-
 }  // namespace
 
 namespace fastdecode {
@@ -361,23 +344,9 @@ void q8_pairs(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N,
     fastdecode::amx_linear(fastdecode::AmxFormat::Q8, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
     if (amx_cols == N) return;
   }
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xs(M * pairs * 16);
-  std::vector<int32_t> xc(M * pairs * 8);
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      fastdecode::quantize_rows(X + m * K, K / 32, xq.data() + m * K, xs.data() + m * pairs * 16,
-                                xc.data() + m * pairs * 8);
-  });
-  at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      if (M > Q8_PASS_ROWS && t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);  // else q8_pass streams it
-      q8_tile(W + t * tile_bytes, K, xq.data(), xs.data(), xc.data(), M, N, t, Y);
-      if (B)
-        for (int64_t m = 0; m < M; ++m)
-          for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] += B[4 * t + r];
-    }
-  });
+  fastdecode::pair_tiles_linear(X, M, K, W, tile_bytes, amx_cols / 4, N, B, Y,
+                                [&](auto rows, const uint8_t* w, const int8_t* xq, const float* xs, const int32_t* xc,
+                                    int64_t t, float* y) { q8_pass<decltype(rows)::value>(w, K, xq, xs, xc, N, t, y); });
 }
 
 // w (N/4, K/32, 144) uint8, weight-only (the activations stay float), or Q8_0's pair tiles (N/4, K/64, 272).

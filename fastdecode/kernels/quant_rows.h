@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "simd.h"
 
@@ -151,6 +153,44 @@ inline __m256i pair_dot(const uint8_t* wq, const int8_t* x) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i q = _mm256_loadu_si256((const __m256i*)wq);
   return pair_dot(_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4), x);
+}
+
+// The pair-tile formats' matmul (Q8_0's 272-byte tiles, MXFP4's 136): the rows of X (M, K) quantized by
+// quantize_rows (with xc), then tiles [t_first, N/4) of 4 output rows, spread over the threads, each taking all the
+// rows in passes of up to PASS_ROWS (AVX2's 16 registers: 2): pass(n, w, xq, xs, xc, t, y) for n rows from the
+// pointers given. A pass of one or two rows streams its tile itself (prefetch_stream); for more the next tile is
+// fetched whole. Then the bias.
+constexpr int PASS_ROWS = VW == 16 ? 4 : 2;
+template <typename Pass>
+void pair_tiles_linear(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes, int64_t t_first,
+                       int64_t N, const float* B, float* Y, Pass pass) {
+  const int64_t pairs = K / 64;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * pairs * 16);
+  std::vector<int32_t> xc(M * pairs * 8);
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_rows(X + m * K, K / 32, xq.data() + m * K, xs.data() + m * pairs * 16, xc.data() + m * pairs * 8);
+  });
+  // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
+  at::parallel_for(t_first, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* w = W + t * tile_bytes;
+      if (M > PASS_ROWS && t + 1 < t1) prefetch(w + tile_bytes, tile_bytes);
+      int64_t m = 0;
+      const auto run = [&](auto rows) {
+        pass(rows, w, xq.data() + m * K, xs.data() + m * pairs * 16, xc.data() + m * pairs * 8, t, Y + m * N);
+        m += decltype(rows)::value;
+      };
+      while (M - m >= PASS_ROWS) run(std::integral_constant<int, PASS_ROWS>{});
+      if (M - m == 3) run(std::integral_constant<int, 3>{});
+      if (M - m == 2) run(std::integral_constant<int, 2>{});
+      if (M - m == 1) run(std::integral_constant<int, 1>{});
+      if (B)
+        for (int64_t i = 0; i < M; ++i)
+          for (int r = 0; r < 4; ++r) Y[i * N + 4 * t + r] += B[4 * t + r];
+    }
+  });
 }
 
 }  // namespace fastdecode

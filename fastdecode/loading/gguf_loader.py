@@ -112,17 +112,6 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
     return config, weights, freq_factors, f
 
 
-def mxfp4_tensors(raw: torch.Tensor) -> dict[str, torch.Tensor]:
-    """GGUF MXFP4 blocks (N, K/32, 17): an E8M0 byte, then 16 bytes whose byte j holds element j in its low nibble and
-    element j + 16 in its high one -> Fp4Linear's {"qweight" (N, K/2) (element 2i low), "scales" (N, K/32)}. The codes
-    are E2M1's (llama.cpp's kvalues are the values doubled, and its scale 2^(e - 128) halves them back), so this moves
-    nibbles and changes no value."""
-    N, blocks, _ = raw.shape
-    qs = raw[..., 1:]
-    codes = torch.cat([qs & 15, qs >> 4], dim=-1).view(N, blocks * 32)
-    return {"qweight": codes[:, 0::2] | codes[:, 1::2] << 4, "scales": raw[..., 0].contiguous()}
-
-
 # Block types our int8/int4 modules hold value for value (bytes per block of 32 weights): Q8_0 is d (fp16) and 32
 # int8; Q4_0 is d and 16 bytes of nibbles, w = d * (q - 8); Q4_1 is d, m and the nibbles, w = d * q + m. A block's
 # byte j holds q[j] in its low nibble and q[j + 16] in its high one.
@@ -146,14 +135,16 @@ def block_tensors(t, heads: int | None = None) -> dict[str, torch.Tensor]:
     """A Q8_0 or Q5_0 tensor (N, K) -> {"qweight" (N, K/32, 32) int8, "scales" (N, K/32) fp16} (Q5_1: uint8 q and
     "mins" too); Q4_0/Q4_1 -> {"blocks" (N, K/32, 16) uint8, the block's nibble bytes as they are, "scales", "mins"
     (N, K/32) fp16}; a K-quant -> {"blocks" (N, K/256, bytes) uint8}, its super-blocks as they are: what the quant
-    modules' from_tensors take (fastdecode.quant), with no value rounded on the way. Q8_0/Q4_0/Q4_1/K-quant blocks and
+    modules' from_tensors take (fastdecode.quant), with no value rounded on the way; MXFP4 -> {"blocks" (N, K/32, 16),
+    "scales" (N, K/32) E8M0 bytes}. Q8_0/Q4_0/Q4_1/K-quant blocks and
     scales are strided views of the mapped file (Q4_0's mins excepted), so packing reads the file once and the
     tensor's pages must stay mapped until then. `heads` (permuted_heads) undoes llama.cpp's q/k row permutation: rows
     are whole blocks, so it moves bytes, not values (a copy)."""
     N, K = t.shape
     data = t.data if heads is None else unpermute_rows(np.asarray(t.data).reshape(N, -1), heads)
-    if t.type == GGMLQuantizationType.MXFP4:
-        return mxfp4_tensors(file_view(data).view(N, K // 32, 17))
+    if t.type == GGMLQuantizationType.MXFP4:  # an E8M0 scale byte, then 16 bytes: Fp4Linear takes both as they are
+        raw = file_view(data).view(N, K // 32, 17)
+        return {"blocks": raw[..., 1:], "scales": raw[..., 0]}
     if t.type in K_BLOCK_BYTES:
         return {"blocks": file_view(data).view(N, K // 256, K_BLOCK_BYTES[t.type])}
     raw = file_view(data).view(N, K // 32, BLOCK_BYTES[t.type])

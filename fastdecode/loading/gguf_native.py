@@ -159,7 +159,7 @@ class ModuleLoader:
             return None
         scheme, K = KEPT.get(shards[0].type), shards[0].shape[1]
         rows = sum(t.shape[0] for t in shards) // E
-        if scheme in (None, "mxfp4") or rows % 4 or not fits(scheme, rows, K, 32):  # Fp4Linear: no tiles to split
+        if scheme is None or rows % 4 or not fits(scheme, rows, K, 32):
             return None
         bias = None
         if self.config.moe_bias:  # gpt-oss: (experts, rows) per shard, joined expert by expert as the weights

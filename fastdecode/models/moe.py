@@ -24,7 +24,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.softmax_after_topk = config.family == "gpt_oss"
+        self.softmax_after_topk = config.softmax_after_topk
         self.gate = Router(config.hidden_size, config.num_experts, bias=config.moe_bias)
         self.experts = nn.ModuleList(expert(config, config.moe_intermediate_size) for _ in range(config.num_experts))
         self.stacked: list[torch.Tensor] | None = None  # the experts' weights stacked for the native step (decoder.py)

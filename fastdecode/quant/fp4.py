@@ -11,17 +11,25 @@
 E2M1: sign, 2 exponent bits (bias 1), 1 mantissa bit; magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Two codes a byte
 (linear.pack_nibbles).
 
-Fp4Linear keeps the codes and scales (4.25 / 4.5 bits a weight). For a few rows of input (decode) an AVX2 kernel
-(lut4.cpp, built on first use) looks the weights up 8 at a time from a per-block table and multiplies them with the
-float activations, never materialising W; for more rows (prefill), or without the kernel, the whole weight is
-dequantized at that forward and a float matmul runs. Neither is a packed low-precision dot product (no CPU has
-FP4 arithmetic): FP4 saves memory and bandwidth, not arithmetic.
+Fp4Linear keeps the codes and scales (4.25 / 4.5 bits a weight). Backends:
+- "native" (MXFP4, K % 64 == 0, N % 4 == 0: gpt-oss's experts): kernels/fp4.cpp, llama.cpp's arithmetic. The
+  activations are quantized to int8 per block of 32 and the doubled E2M1 values (integers in -12..12) meet them in
+  exact integer dot products; the blocks are repacked once into tiles of 4 rows read in one stream, 4.25 bits a
+  weight still. The only FP4 backend the whole-model native step takes.
+- "lut": for a few rows of input (decode) an AVX2 kernel (lut4.cpp, built on first use) looks the weights up 8 at a
+  time from a per-block table and multiplies them with the float activations, never materialising W; for more rows
+  (prefill) the whole weight is dequantized at that forward and a float matmul runs.
+- "dequant": dequantize + float matmul always (no kernel, or asked for).
+No CPU has FP4 arithmetic: FP4 saves memory and bandwidth, not arithmetic.
 """
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from fastdecode.quant.linear import QuantLinear, lut_fits, lut_ops, pack_nibbles
+from fastdecode import memory
+from fastdecode.quant.kernels import native_ops
+from fastdecode.quant.linear import QuantLinear, lut_fits, lut_ops, pack_nibbles, unpack_nibbles
+from fastdecode.quant.repack import move
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 E2M1_MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2  # 0.25 0.75 1.25 1.75 2.5 3.5 5
@@ -31,6 +39,7 @@ E2M1_TABLE = torch.cat([E2M1_VALUES, -E2M1_VALUES])
 BYTE_TABLE = torch.stack([E2M1_TABLE.repeat(16), E2M1_TABLE.repeat_interleave(16)], dim=-1)  # (256, 2)
 BLOCK_SIZE = {"mxfp4": 32, "nvfp4": 16}  # values sharing one scale
 EMPTY = torch.empty(0)
+TILE_BYTES = 8 + 4 * 32  # the native layout: per 4 rows and pair of blocks, 8 scale bytes and 4 x 32 code bytes
 
 
 # ---- E2M1 -------------------------------------------------------------------------------------------------------
@@ -106,27 +115,78 @@ def dequantize_fp4(t: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype = to
     return w.view(N, -1)
 
 
+# ---- the native layout (kernels/fp4.cpp) --------------------------------------------------------------------------
+def to_blocks(qweight: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) codes, element 2i in the low nibble -> (N, K/32, 16) in GGUF's block order: byte j of a block holds
+    element j in its low nibble and element j + 16 in its high one."""
+    codes = unpack_nibbles(qweight).reshape(qweight.shape[0], -1, 2, 16)
+    return codes[:, :, 0] | codes[:, :, 1] << 4
+
+
+def from_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """to_blocks' inverse."""
+    return pack_nibbles(torch.cat([blocks & 15, blocks >> 4], dim=-1).reshape(blocks.shape[0], -1))
+
+
+def native_fits(fmt: str, out_features: int, in_features: int) -> bool:
+    return fmt == "mxfp4" and native_ops() is not None and in_features % 64 == 0 and out_features % 4 == 0
+
+
+def pack_native(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks (N, K/32, 16) in GGUF's order, scales (N, K/32) E8M0 bytes -> (N/4, K/64, 136) uint8 tiles: per 4 rows
+    and pair of blocks, the 8 scale bytes in (row, block) order, then each row's 32 code bytes (fp4.cpp). Bytes move,
+    no value changes; the inputs may be strided views of a mapped file, read once."""
+    N, K = blocks.shape[0], blocks.shape[1] * 32
+    out = memory.zeros(N // 4, K // 64, TILE_BYTES, dtype=torch.uint8)
+    if (ops := native_ops()) is not None and blocks.stride(2) == 1:
+        ops.fp4_pack(out, blocks, scales)
+        return out
+    move(out[..., :8].view(N // 4, K // 64, 4, 2), scales.reshape(N // 4, 4, K // 64, 2).transpose(1, 2))
+    move(out[..., 8:].view(N // 4, K // 64, 4, 32), blocks.reshape(N // 4, 4, K // 64, 32).transpose(1, 2))
+    return out
+
+
+def unpack_native(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_native's tiles -> (blocks (N, K/32, 16), scales (N, K/32))."""
+    T, P, _ = tiles.shape
+    scales = tiles[..., :8].reshape(T, P, 4, 2).transpose(1, 2).reshape(4 * T, 2 * P)
+    blocks = tiles[..., 8:].reshape(T, P, 4, 32).transpose(1, 2).reshape(4 * T, 2 * P, 16)
+    return blocks, scales
+
+
 def scale_table(fmt: str, tensor_scale: torch.Tensor) -> torch.Tensor:
     """(256,) float32: every scale byte -> the block's multiplier, for the kernel's per-block lookup."""
     return block_scales(fmt, torch.arange(256, dtype=torch.uint8)[None], tensor_scale)[0].contiguous()
 
 
 class Fp4Linear(QuantLinear):
-    """MXFP4 or NVFP4 weights. backend "lut": the AVX2 kernel for up to its max_rows input rows, dequantize + float
-    matmul beyond; "dequant": dequantize + float matmul always (no kernel, or asked for)."""
+    """MXFP4 or NVFP4 weights, on the backends above."""
+    native_op = "fp4_linear"
 
     def __init__(self, fmt: str, t: dict[str, torch.Tensor], bias: torch.Tensor | None, backend: str | None = None):
+        """t: {"qweight" (N, K/2) codes, element 2i in the low nibble, or "blocks" (N, K/32, 16) in GGUF's order (a
+        file's MXFP4 blocks, views of it), "scales" (N, K/block), optionally "tensor_scale"}."""
         super().__init__()
         self.fmt = fmt
-        self.out_features, self.in_features = t["qweight"].shape[0], t["qweight"].shape[1] * 2
-        if t["scales"].shape[1] * BLOCK_SIZE[fmt] != self.in_features:
-            raise ValueError(f"{fmt}: in_features {self.in_features} does not match scales {tuple(t['scales'].shape)}")
-        self.register_buffer("qweight", t["qweight"].to(torch.uint8).contiguous())
-        self.register_buffer("scales", t["scales"].to(torch.uint8).contiguous())
+        blocks, scales = t.get("blocks"), t["scales"]
+        self.out_features = scales.shape[0]
+        self.in_features = blocks.shape[1] * 32 if blocks is not None else t["qweight"].shape[1] * 2
+        if scales.shape[1] * BLOCK_SIZE[fmt] != self.in_features:
+            raise ValueError(f"{fmt}: in_features {self.in_features} does not match scales {tuple(scales.shape)}")
+        self.backend = backend or ("native" if native_fits(fmt, self.out_features, self.in_features) else
+                                   "lut" if lut_ops() is not None else "dequant")
+        if self.backend == "native":
+            if not native_fits(fmt, self.out_features, self.in_features):
+                raise ValueError(f"native fp4 needs mxfp4, in % 64 == 0, out % 4 == 0; got {fmt} "
+                                 f"{self.out_features} x {self.in_features}")
+            self.register_buffer("qweight", pack_native(to_blocks(t["qweight"]) if blocks is None else blocks, scales))
+        else:
+            self.register_buffer("qweight", (from_blocks(blocks) if blocks is not None else t["qweight"])
+                                 .to(torch.uint8).contiguous())
+            self.register_buffer("scales", scales.to(torch.uint8).contiguous())
         # MXFP4 has no tensor scale: files holding its blocks (GGUF, gpt-oss safetensors) give none.
         self.register_buffer("tensor_scale", t.get("tensor_scale", torch.tensor(1.0)).float().reshape(()))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.backend = backend or ("lut" if lut_ops() is not None else "dequant")
         self.table = scale_table(fmt, self.tensor_scale)  # not a buffer: derived, and not part of the weight bytes
 
     @staticmethod
@@ -146,11 +206,21 @@ class Fp4Linear(QuantLinear):
     def from_linear(cls, linear: nn.Linear, fmt: str, backend: str | None = None):
         return cls.from_weight(linear.weight, fmt, linear.bias, backend)
 
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qweight (N, K/2) codes, element 2i in the low nibble, scales (N, K/block)), whatever the backend."""
+        if self.backend == "native":
+            blocks, scales = unpack_native(self.qweight)
+            return from_blocks(blocks), scales
+        return self.qweight, self.scales
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_fp4({"qweight": self.qweight, "scales": self.scales, "tensor_scale": self.tensor_scale},
-                              self.fmt, dtype)
+        qweight, scales = self.codes()
+        return dequantize_fp4({"qweight": qweight, "scales": scales, "tensor_scale": self.tensor_scale}, self.fmt,
+                              dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "native":
+            return super().forward(x)
         x2d = x.reshape(-1, self.in_features)
         if self.backend == "lut" and lut_fits(x2d.shape[0]):
             y = lut_ops().lut4_linear(x2d.float().contiguous(), self.qweight, BLOCK_SIZE[self.fmt], E2M1_TABLE,

@@ -23,8 +23,9 @@ from tests.helpers.checkpoints import VOCAB_SIZE, add_shape, add_tokenizer, scra
 # YaRN with a short original context, so that the 56-token runs scale most rotary frequencies.
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 16, "rope_theta": 150000.0}
-# A window of 4 slides within the 24-token prompt; experts of width 32 hold MXFP4 blocks in the down projection.
-CONFIG = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_local_experts=8,
+# A window of 4 slides within the 24-token prompt; experts of width 64 hold whole pairs of MXFP4 blocks in both
+# projections (the native kernel's unit).
+CONFIG = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_local_experts=8,
               num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
               max_position_embeddings=64, rope_parameters=YARN, initializer_range=0.1, bos_token_id=1,
               eos_token_id=2, pad_token_id=0)

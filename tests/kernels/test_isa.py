@@ -10,7 +10,7 @@ from fastdecode.kernels import decoder as native_decoder_module
 from fastdecode.kernels import jit, native_ops, native_ops_for
 from fastdecode.kernels.decoder import native_decoder
 from fastdecode.loading import load_model
-from fastdecode.quant import KQuantLinear, int4, int8
+from fastdecode.quant import KQuantLinear, fp4, int4, int8
 from tests.helpers.checkpoints import checkpoint
 from tests.kernels.test_decoder import run
 from tests.quant.test_kquant import blocks
@@ -43,7 +43,10 @@ def test_the_wide_build_computes_integer_matmuls_bit_for_bit_and_weight_only_int
                             torch.rand(N, K // 32, generator=g) * 0.01, None)  # pair tiles: int8 activations
     w8 = int8.pack_native(torch.randint(0, 256, (N, K), dtype=torch.uint8, generator=g),
                           torch.rand(N, K // 32, generator=g) * 0.01, -torch.rand(N, K // 32, generator=g) * 0.05)
+    mx = fp4.pack_native(torch.randint(0, 256, (N, K // 32, 16), dtype=torch.uint8, generator=g),
+                         torch.randint(117, 125, (N, K // 32), dtype=torch.uint8, generator=g))
     x = torch.randn(rows, K, generator=g)
+    assert torch.equal(wide_ops.fp4_linear(x, mx, None), narrow.fp4_linear(x, mx, None))
     assert torch.equal(wide_ops.q4_linear(x, w4, None), narrow.q4_linear(x, w4, None))
     assert torch.equal(wide_ops.q8_linear(x, q8_0, None), narrow.q8_linear(x, q8_0, None))
     torch.testing.assert_close(wide_ops.q8_linear(x, w8, None), narrow.q8_linear(x, w8, None), rtol=1e-5, atol=1e-5)

@@ -8,11 +8,14 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from fastdecode.quant import Fp4Linear, quantize_model, weight_bytes
+from fastdecode.quant import Fp4Linear, fp4, quantize_model, weight_bytes
 from fastdecode.quant.fp4 import (dequantize_fp4, e2m1_decode, e2m1_encode, e4m3_decode, e8m0_decode, quantize_fp4,
                                   quantize_mxfp4, quantize_nvfp4)
 from fastdecode.quant.linear import pack_nibbles as pack_codes, unpack_nibbles as unpack_codes
 from tests.helpers.tiny import logits, tiny_model
+from tests.quant.test_kquant import half_step_bound
+
+NATIVE = pytest.mark.skipif(not fp4.native_fits("mxfp4", 4, 64), reason="no native kernels")
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -123,15 +126,81 @@ def test_nvfp4_error_is_half_a_grid_step_of_its_block():
 def test_linear_equals_float_matmul_with_dequantized_weight(fmt, m):
     torch.manual_seed(m)
     w, b = torch.randn(96, 128) * 0.05, torch.randn(96)
-    layer = Fp4Linear.from_weight(w, fmt, b)
+    layer = Fp4Linear.from_weight(w, fmt, b, backend="lut")  # float activations (native: see below)
     x = torch.randn(m, 128)
     ref = F.linear(x, dequantize_fp4(quantize_fp4(w, fmt), fmt), b)
     assert torch.allclose(layer(x), ref, rtol=1e-5, atol=1e-5)
 
 
+def mxfp4_weight(N: int, K: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random codes under scales spread over 2^-10..2^-3, every code and many scales present."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g)
+    return {"qweight": pack_codes(codes), "scales": torch.randint(117, 125, (N, K // 32), dtype=torch.uint8,
+                                                                  generator=g)}
+
+
+def kernel_reference(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """fp4.cpp's arithmetic in float64: x rounded to int8 per block of 32 (d = amax / 127, half to even), the exact
+    integer sum of each block's doubled E2M1 values times the int8 activations, times 2^(e - 128) d."""
+    M, K = x.shape
+    xb = x.double().reshape(M, -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xb / torch.where(d > 0, d, 1))  # torch.round: half to even
+    v = (2 * e2m1_decode(unpack_codes(t["qweight"]))).double().reshape(t["qweight"].shape[0], -1, 32)
+    sums = torch.einsum("mbk,nbk->mnb", q, v)  # exact: integers under 2^53
+    scale = torch.exp2(t["scales"].double() - 128)  # (N, K/32)
+    return (sums * scale[None] * d[:, None, :, 0]).sum(-1)
+
+
+@NATIVE
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17])
+def test_native_kernel_is_the_integer_arithmetic_of_llama_cpp(m):
+    # Every code and the scales through the lookup, the offset and the per-block scaling: float64 arithmetic on the
+    # same int8 activations agrees to float32 rounding of the sums.
+    t = mxfp4_weight(64, 2880, seed=m)
+    x = torch.randn(m, 2880, generator=torch.Generator().manual_seed(100 + m))
+    y = Fp4Linear("mxfp4", t, None, backend="native")(x)
+    ref = kernel_reference(x, t)
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@NATIVE
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_native_output_within_activation_rounding_of_dequantized_matmul(m):
+    t, bias = mxfp4_weight(40, 768, seed=m), torch.randn(40)
+    layer = Fp4Linear("mxfp4", t, bias, backend="native")
+    w = dequantize_fp4({**t, "tensor_scale": torch.tensor(1.0)}, "mxfp4")
+    x = torch.randn(m, 768)
+    err = (layer(x).double() - (x.double() @ w.double().T + bias.double())).abs()
+    assert (err <= half_step_bound(x, w).double()).all()
+    assert err.max() < 0.2 * half_step_bound(x, w).max()
+
+
+@NATIVE
+def test_native_row_does_not_depend_on_how_many_rows_share_the_call():
+    layer = Fp4Linear("mxfp4", mxfp4_weight(64, 256, seed=0), torch.randn(64), backend="native")
+    x = torch.randn(11, 256)
+    assert torch.equal(layer(x), torch.cat([layer(x[i:i + 1]) for i in range(11)]))
+
+
+@NATIVE
+def test_native_tiles_hold_the_codes_and_scales_as_they_are(monkeypatch):
+    t = mxfp4_weight(16, 192, seed=1)
+    native = Fp4Linear("mxfp4", t, None, backend="native")
+    assert native.weight_bytes() == 16 * 192 // 2 + 16 * 192 // 32 + 4  # 4.25 bits a weight, and the tensor scale
+    assert torch.equal(native.dequantize(), Fp4Linear("mxfp4", t, None, backend="dequant").dequantize())
+    # fp4_pack on strided views (a file's blocks: a scale byte, then 16 code bytes) writes the bytes of the moves
+    raw = torch.cat([t["scales"][..., None], fp4.to_blocks(t["qweight"])], dim=-1)  # (N, K/32, 17)
+    packed = fp4.pack_native(raw[..., 1:], raw[..., 0])
+    assert torch.equal(packed, native.qweight)
+    monkeypatch.setattr(fp4, "native_ops", lambda: None)
+    assert torch.equal(fp4.pack_native(raw[..., 1:], raw[..., 0]), packed)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_batched_and_bfloat16_inputs(fmt):
-    layer = Fp4Linear.from_weight(torch.randn(32, 64), fmt)
+    layer = Fp4Linear.from_weight(torch.randn(32, 64), fmt)  # mxfp4: native, bf16 rounds the int8 activations too
     x = torch.randn(2, 5, 64)
     y = layer(x)
     assert y.shape == (2, 5, 32) and torch.allclose(y[1, 3], layer(x[1, 3:4])[0], atol=1e-5)
