@@ -1,15 +1,16 @@
-// The int4 and K-quant matmuls (q4_linear's and kq_linear's packed weights, quant.cpp and kquant.cpp) on AMX tiles,
+// The int4, Q8_0, K-quant and MXFP4 matmuls (the packed weights of quant.cpp, kquant.cpp and fp4.cpp) on AMX tiles,
 // for many activation rows at once: a prompt chunk, or a batch of decode and verify rows. Intel's AMX multiplies a
 // 16 x 64-byte int8 tile by a 64 x 16 one into 16 x 16 int32 in one instruction, about 8x the products a core makes
 // with VNNI, so over many rows the float work around it is what costs.
 //
 // Bit for bit the arithmetic of the AVX2/VNNI kernels: per unit (a block of 32; Q6_K's sub-block of 16) an exact
 // integer sum, here one tdpbsud of an activation tile, signed, by a weight tile, unsigned, with K = the unit (Q6_K's
-// -32 offset taken off as 32 * the sum of the unit's activations, Q8_0's +128 as 128 * that sum); then per output the
-// same FMA chains of float(sum) * (d_w * d_x), one per class of units: int4, Q4_K, Q5_K (quant.cpp) the even and odd
-// blocks E, O, and ME, MO of the mins (m_w * sx added for int4, dmin * m * sx subtracted for the K-quants, whose d_w
-// is d * sc), y = ((E + O) + ME) + MO; Q8_0 (quant.cpp's pair tiles) E and O, y = E + O; Q6_K (kquant.cpp) the 8
-// sub-blocks of a half super-block c0..c7, y = ((c0 + c1) + (c4 + c5)) + ((c2 + c3) + (c6 + c7)). So a row's
+// -32 offset taken off as 32 * the sum of the unit's activations, Q8_0's +128 as 128 * that sum, MXFP4's +12 as
+// 12 * that sum); then per output the same FMA chains of float(sum) * (d_w * d_x), one per class of units: int4,
+// Q4_K, Q5_K (quant.cpp) the even and odd blocks E, O, and ME, MO of the mins (m_w * sx added for int4,
+// dmin * m * sx subtracted for the K-quants, whose d_w is d * sc), y = ((E + O) + ME) + MO; Q8_0 (quant.cpp's pair
+// tiles) and MXFP4 (fp4.cpp) E and O, y = E + O; Q6_K (kquant.cpp) the 8 sub-blocks of a half super-block c0..c7,
+// y = ((c0 + c1) + (c4 + c5)) + ((c2 + c3) + (c6 + c7)). So a row's
 // result does not depend on which kernel ran it: a prompt chunk and decode steps, a request alone and in a batch,
 // agree exactly.
 //
@@ -45,13 +46,14 @@ constexpr int64_t ROWS = 32, COLS = 32;  // activation rows and weight rows per 
 // The packed layouts: where a unit's values and factors lie in a tile of 4 weight rows (of the whole K).
 constexpr int64_t Q4_PAIR = 160;  // quant.cpp's q4 tile: per pair of blocks 8 fp16 d, 8 fp16 m, 4 rows x 32 bytes
 constexpr int64_t Q8_PAIR = 272;  // quant.cpp's q8 pair tile: per pair of blocks 8 fp16 d, 4 rows x 64 bytes
+constexpr int64_t FP4_PAIR = 136;  // fp4.cpp's tile: per pair of blocks 8 E8M0 scale bytes, 4 rows x 32 bytes
 constexpr int64_t Q4K_SB = 592, Q5K_SB = 720, Q6K_SB = 840;  // kquant.cpp's tiles per super-block of 256
 
 // Per format: the unit of K one integer sum covers, how many accumulator classes, whether mins follow.
 template <AmxFormat F> struct Traits {
   static constexpr int64_t UNIT = F == AmxFormat::Q6K ? 16 : 32;
   static constexpr int CLASSES = F == AmxFormat::Q6K ? 8 : 2;
-  static constexpr bool MINS = F != AmxFormat::Q6K && F != AmxFormat::Q8;
+  static constexpr bool MINS = F == AmxFormat::Q4 || F == AmxFormat::Q4K || F == AmxFormat::Q5K;
   static constexpr int64_t B_BYTES = UNIT / 4 * 64;  // a B tile: UNIT / 4 rows of 16 columns x 4 bytes
 };
 
@@ -129,6 +131,16 @@ void unpack_b(const uint8_t* tile, int64_t tile_bytes, int64_t u, uint8_t* out) 
   }
   __m512i lo[4], hi[4];
   const uint8_t* q;
+  if (F == AmxFormat::FP4) {  // each code through the table of doubled E2M1 values + 12 (fp4.cpp)
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    load_rows(tile + u / 2 * FP4_PAIR + 8 + 16 * (u % 2), 32, tile_bytes, v);
+    transpose(v, o);
+    for (int kk = 0; kk < 4; ++kk) {
+      _mm512_store_si512(out + 64 * kk, _mm512_shuffle_epi8(lut, _mm512_and_si512(o[kk], low4)));
+      _mm512_store_si512(out + 64 * (4 + kk), _mm512_shuffle_epi8(lut, _mm512_and_si512(srl16(o[kk], 4), low4)));
+    }
+    return;
+  }
   if (F == AmxFormat::Q4) q = tile + u / 2 * Q4_PAIR + 32 + 16 * (u % 2);
   else q = tile + u / 8 * (F == AmxFormat::Q4K ? Q4K_SB : Q5K_SB) + (F == AmxFormat::Q4K ? 80 : 208) + 128 * (u % 8 / 2) +
            16 * (u % 2);
@@ -173,6 +185,11 @@ void weight_factors(const uint8_t* tile, int64_t tile_bytes, int64_t units, floa
           mw[n] = fp16(head + 16);
         } else if (F == AmxFormat::Q8) {
           dw[n] = fp16(tile + u / 2 * Q8_PAIR + 2 * (2 * r + u % 2));
+        } else if (F == AmxFormat::FP4) {  // 2^(e - 128), as fp4.cpp's pair_scales makes it
+          const uint32_t bits = uint32_t(tile[u / 2 * FP4_PAIR + 2 * r + u % 2]) << 23;
+          float scale;
+          std::memcpy(&scale, &bits, 4);
+          dw[n] = scale * 0.5f;
         } else if (F == AmxFormat::Q6K) {  // d per row, int8 sc in (half, row, sub-block of the half) order
           const uint8_t* sb = tile + u / 16 * Q6K_SB;
           dw[n] = fp16(sb + 2 * r) * float(int8_t(sb[8 + 32 * (u % 16 / 8) + 8 * r + u % 8]));
@@ -211,7 +228,7 @@ bool tiles_permitted() {
 // The quantized rows: xq (Mp, K) int8 in element order, padded with zero rows to Mp, a multiple of 32; xd (K / 32,
 // Mp) the d_x of each (block, row), zero in the padding; xsx (M, K / 32) each (row, block)'s d_x * sum(q_x) (the
 // mins' factor); xo (units, Mp) int32: the weights' offset times the sum of each (unit, row)'s values (Q6_K: 32,
-// per sub-block of 16; Q8_0: 128, per block).
+// per sub-block of 16; Q8_0: 128, MXFP4: 12, per block).
 struct Rows {
   int64_t M, Mp;
   std::vector<int8_t> xq;
@@ -332,9 +349,10 @@ bool amx_int8_ready() { return tiles_permitted(); }
 void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes,
                 int64_t n_blocks, int64_t N, const float* bias, float* Y) {
   const int64_t blocks = K / 32, Mp = (M + 31) / 32 * 32;
-  const bool q6 = f == AmxFormat::Q6K, q8 = f == AmxFormat::Q8;
+  const bool q6 = f == AmxFormat::Q6K;
+  const int32_t offset = f == AmxFormat::Q8 ? 128 : f == AmxFormat::FP4 ? 12 : 0;  // per block of 32
   Rows x{M, Mp, std::vector<int8_t>(Mp * K, 0), std::vector<float>(blocks * Mp, 0.0f),
-         std::vector<float>(M * blocks), std::vector<int32_t>(q6 ? 2 * blocks * Mp : q8 ? blocks * Mp : 0, 0)};
+         std::vector<float>(M * blocks), std::vector<int32_t>(q6 ? 2 * blocks * Mp : offset ? blocks * Mp : 0, 0)};
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < blocks; ++b) {
@@ -342,7 +360,7 @@ void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t
         int32_t qsum;
         const __m256i qb = quantize_block(X + m * K + 32 * b, x.xd[b * Mp + m], x.xsx[m * blocks + b], qsum);
         _mm256_storeu_si256((__m256i*)q, qb);
-        if (q8) x.xo[b * Mp + m] = 128 * qsum;
+        if (offset) x.xo[b * Mp + m] = offset * qsum;
         if (q6)
           for (int h = 0; h < 2; ++h) {
             int32_t sum = 0;
@@ -357,6 +375,7 @@ void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t
     case AmxFormat::Q5K: return tiles_linear<AmxFormat::Q5K>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
     case AmxFormat::Q6K: return tiles_linear<AmxFormat::Q6K>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
     case AmxFormat::Q8: return tiles_linear<AmxFormat::Q8>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
+    case AmxFormat::FP4: return tiles_linear<AmxFormat::FP4>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
   }
 }
 

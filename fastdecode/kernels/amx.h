@@ -1,12 +1,12 @@
-// AMX int8 tiles for the int4 and K-quant matmuls over many rows (amx.cpp).
+// AMX int8 tiles for the int4, Q8_0, K-quant and MXFP4 matmuls over many rows (amx.cpp).
 #pragma once
 #include <cstdint>
 
 namespace fastdecode {
 
 // q4_linear's tiles (160 bytes per pair of blocks), kq_linear's (592, 720, 840 bytes per super-block), q8_linear's
-// pair tiles (272 bytes per pair of blocks)
-enum class AmxFormat { Q4, Q4K, Q5K, Q6K, Q8 };
+// pair tiles (272 bytes per pair of blocks), fp4_linear's MXFP4 tiles (136 bytes per pair of blocks)
+enum class AmxFormat { Q4, Q4K, Q5K, Q6K, Q8, FP4 };
 
 // From this many rows the tiles take the blocks of 32 weight rows they can. Measured (N 2048, K 1536, 2 threads): 16
 // rows 0.28 ms on the tiles against 0.37 with VNNI, 12 rows equal, 8 rows 0.24 against 0.22: a pass costs about
