@@ -21,12 +21,12 @@ import torch
 
 from fastdecode.engine.kv_cache import BlockTable, KVCache
 from fastdecode.engine.sampling import Sampler, SamplingParams
-from fastdecode.engine.scheduler import Scheduler, SchedulerConfig, Work
+from fastdecode.engine.scheduler import Scheduler, SchedulerConfig, Work, prefill_floor
 from fastdecode.engine.sequence import Sequence
 from fastdecode.errors import InvalidRequestError
 from fastdecode.kernels.openmp import release_openmp_workers
 from fastdecode.runners import Batch
-from fastdecode.speculative.policy import CostModel
+from fastdecode.speculative.policy import CostModel, probe_tokens
 from fastdecode.speculative.verify import verify
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class Engine:
         self.model, self.kv, self.runner, self.max_seq_len = model, kv, runner, max_seq_len
         self.background = background
         self.config = config or SchedulerConfig()
+        self.config.min_prefill_rows = max(self.config.min_prefill_rows, prefill_floor(model.config))
         self.speculator = speculator
         self.scheduler = Scheduler(kv, self.config, max_seq_len, speculator)
         self.cv = threading.Condition()
@@ -267,7 +268,7 @@ class Engine:
         self.kv.reserve(table, context + sizes[-1])
 
         def forward(n: int, start: int = context):
-            batch = Batch(torch.zeros(n, dtype=torch.long), torch.arange(start, start + n),
+            batch = Batch(torch.tensor(probe_tokens(n, self.model.config.vocab_size)), torch.arange(start, start + n),
                           torch.tensor(self.kv.slots(table, start, start + n)), torch.tensor([0, n]),
                           torch.tensor([start]), torch.tensor([table.blocks]), self.kv.block_size)
             self.model.head(self.runner.forward(batch))

@@ -6,7 +6,8 @@ needs less than its share takes what it needs, the rest is split among the other
 is sized so the step takes about `decode_gap_s`, so one user's long paste delays the others' next token by a chunk,
 not by its whole prefill; otherwise about `prefill_step_s`, so a request that arrives during a long prefill starts
 within about that, and a short prompt is not queued behind a long one (an agent's subagent beside its main
-conversation). Waiting requests join between steps (first in, first out)
+conversation), but never fewer than `min_prefill_rows` (prefill_floor: a mixture-of-experts chunk reads nearly every
+expert). Waiting requests join between steps (first in, first out)
 while fewer than `max_batch` run, taking the longest cached prefix of their tokens first. When a sequence needs a block
 and none is free, the most recently admitted sequence is preempted: its blocks go back (full ones stay cached), and
 it computes its tokens again when readmitted (recompute preemption, as in vLLM), with its output so far kept.
@@ -27,6 +28,7 @@ class SchedulerConfig:
     max_batched_tokens: int = 2048  # rows in one forward pass (a prompt chunk when nobody decodes)
     decode_gap_s: float = 0.3  # while sequences decode, a step's prompt chunk is sized to take about this long
     prefill_step_s: float = 1.0  # and a step of prompt chunks alone, this long
+    min_prefill_rows: int = 0  # but a step of prompt chunks alone never shorter than this (prefill_floor)
     prefix_cache: bool = True
 
 
@@ -41,6 +43,17 @@ class Work:
     def samples(self) -> bool:
         """The rows reach the sequence's last token, so the step samples its next one."""
         return self.rows == self.seq.pending
+
+
+def prefill_floor(config) -> int:
+    """The rows a step of prompt chunks alone takes at the least, for a model config. A mixture-of-experts chunk reads
+    nearly every expert however short it is (gpt-oss-20b: 10 GB of its 12), so chunks sized to a second spent most of
+    it reading weights, and the rate they measured shrank the next chunk (gpt-oss-20b at 2k tokens of context: 80, 49,
+    ..., 32 rows a step, 29 rows/s): enough rows for 16 an expert on average (the integer kernels' AMX threshold)
+    spread that read. Dense models: none."""
+    if not config.num_experts:
+        return 0
+    return 16 * config.num_experts // max(1, config.num_experts_per_tok)
 
 
 def fair_shares(needs: list[int], budget: int) -> list[int]:
@@ -79,8 +92,11 @@ class Scheduler:
         self._draft(work)
         budget = self.config.max_batched_tokens - sum(w.rows + len(w.draft or ()) for w in work)
         if self.prefill_tok_s:
-            step_s = self.config.decode_gap_s if work else self.config.prefill_step_s
-            budget = min(budget, max(self.kv.block_size, int(self.prefill_tok_s * step_s)))
+            if work:
+                budget = min(budget, max(self.kv.block_size, int(self.prefill_tok_s * self.config.decode_gap_s)))
+            else:
+                budget = min(budget, max(self.kv.block_size, self.config.min_prefill_rows,
+                                         int(self.prefill_tok_s * self.config.prefill_step_s)))
         prefilling = [s for s in self.running if s.pending > 1]
         for seq, n in zip(prefilling, fair_shares([s.pending for s in prefilling], budget)):
             if n > 0 and seq.status is Status.RUNNING and self._reserve(seq, seq.num_computed + n):

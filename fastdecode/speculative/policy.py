@@ -31,6 +31,13 @@ PROBE_GAP = 24  # consultations from one probe to the next: on text where drafts
 # 32-token window, which is what the floor reads
 
 
+def probe_tokens(n: int, vocab: int) -> list[int]:
+    """n distinct token ids spread over the vocabulary, for timing a forward: n copies of one token would all route to
+    that token's experts in a mixture-of-experts model, and understate what n real tokens (draft tokens, several
+    sequences) cost."""
+    return [(7919 * i + 1) % vocab for i in range(n)]
+
+
 @dataclass
 class CostModel:
     sizes: list[int]  # tokens per forward (1 = plain decode step)

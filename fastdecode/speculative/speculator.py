@@ -15,7 +15,7 @@ from fastdecode.speculative.drafter import Drafter
 from fastdecode.speculative.eagle.features import forward_taps, prefill_taps
 from fastdecode.speculative.model_drafters import DraftModelDrafter, LayerSkipDrafter, forward_logits
 from fastdecode.speculative.ngram import NgramDrafter
-from fastdecode.speculative.policy import CostModel, Policy
+from fastdecode.speculative.policy import CostModel, Policy, probe_tokens
 from fastdecode.speculative.suffix import SuffixDrafter, SuffixMemory
 from fastdecode.speculative.verify import verify
 
@@ -142,7 +142,9 @@ class Speculator:
         the slots are free to overwrite)."""
         sizes = [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24) if n < self.max_seq_len]
         base = max(0, min(64, self.max_seq_len - sizes[-1]))
-        return CostModel.measure(lambda n: self.forward([0] * n, torch.arange(base, base + n), base), sizes)
+        vocab = self.model.config.vocab_size
+        return CostModel.measure(lambda n: self.forward(probe_tokens(n, vocab), torch.arange(base, base + n), base),
+                                 sizes)
 
     # ---- one request ---------------------------------------------------------------------------------------------
     def generate_tokens(self, prompt_ids: list[int], sampler: Sampler, max_tokens: int, stop_ids: set[int],

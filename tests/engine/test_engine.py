@@ -10,7 +10,8 @@ import torch
 from fastdecode.engine.engine import Engine
 from fastdecode.engine.kv_cache import BlockTable, KVCache
 from fastdecode.engine.sampling import SamplingParams
-from fastdecode.engine.scheduler import SchedulerConfig, fair_shares
+from fastdecode.config import ModelConfig
+from fastdecode.engine.scheduler import SchedulerConfig, fair_shares, prefill_floor
 from fastdecode.errors import InvalidRequestError
 from fastdecode.kernels import native_ops
 from fastdecode.loading import load_model
@@ -309,6 +310,33 @@ def test_a_short_prompt_is_not_queued_behind_a_long_prefill():
             break
     assert [outputs[first], outputs[second]] == solo
     assert first_token_step[second] <= 1 < first_token_step[first]
+
+
+def test_a_prefill_step_alone_keeps_the_models_floor_but_a_step_beside_decoding_does_not():
+    # The rate measured on slow steps sizes the next chunk (a second's worth: 10 rows here); a mixture-of-experts
+    # model's floor keeps a lone prompt's chunk long enough to spread its read of the experts; beside a decoding
+    # sequence the chunk stays what keeps that sequence's next token near (a block).
+    def chunk(floor: int, decoding: bool) -> list[int]:
+        engine = tiny_engine(max_batched_tokens=64, background=False)
+        if decoding:
+            engine.add_request(tiny_prompt(5, 2), SamplingParams(max_tokens=50, ignore_eos=True))
+            engine.pump()  # its prompt, and its first token: it decodes from now on
+        engine.add_request(tiny_prompt(200, 1), SamplingParams(max_tokens=4, ignore_eos=True))
+        engine.pump()  # a first chunk
+        engine.config.min_prefill_rows, engine.scheduler.prefill_tok_s = floor, 10.0
+        return sorted(w.rows for w in engine.scheduler.schedule())
+
+    assert chunk(floor=0, decoding=False) == [10]
+    assert chunk(floor=40, decoding=False) == [40]
+    assert chunk(floor=40, decoding=True) == [1, 8]  # 10 rows/s for 0.3 s, at least a block
+
+
+def test_the_prefill_floor_gives_each_expert_sixteen_rows_on_average():
+    moe = lambda e, k: ModelConfig(family="qwen3_moe", vocab_size=8, hidden_size=8, intermediate_size=8,  # noqa: E731
+                                   num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8, num_experts=e,
+                                   num_experts_per_tok=k)
+    assert prefill_floor(moe(32, 4)) == 128 and prefill_floor(moe(128, 8)) == 256  # gpt-oss-20b, Qwen3-30B-A3B
+    assert prefill_floor(moe(0, 0)) == 0  # dense
 
 
 def test_a_request_larger_than_the_whole_cache_is_refused():
