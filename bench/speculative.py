@@ -6,6 +6,8 @@ llama.cpp's and transformers' prompt lookup, on the same prompts, in one run.
     python bench/speculative.py --configs none,auto,none@ba4a3e5,auto@ba4a3e5 --peers '' --categories code_edit \
         --per-category 9 --out bench/results/kernels-ab   # beside fastdecode as it was at another revision
     python bench/speculative.py --configs none,auto --peers '' --repeats 5   # median (min-max) over 5 whole runs
+    python bench/speculative.py --model ~/.cache/fastdecode/shapes/gpt-oss-20b-MXFP4.gguf --quant gguf \
+        --configs none,auto --peers '' --one-at-a-time --repeats 3   # a 12 GB model, one worker at a time
 
 `eagle` and `auto+eagle` use the trained head `make drafter` writes (docs/eagle.md); without it those rows are
 skipped.
@@ -241,6 +243,9 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--repeats", type=int, default=1,
                    help="run everything this many times, each with fresh workers; tables show median (min-max)")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="one engine loaded at a time (a model that does not fit in memory twice): each runs every "
+                        "prompt in turn; --repeats alternates whole runs")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -273,24 +278,26 @@ def main(argv=None):
         for repeat in range(args.repeats):
             # Fresh workers every repeat: the suffix drafter remembers the earlier requests of its process, and a
             # prompt's own output from the previous repeat would flatter it.
-            workers = start_workers([e for e in engines if e not in skipped], args, warm_up, skipped, progress,
-                                    console)
-            for item in items:  # round-robin: every engine on this prompt, then the next prompt
-                for key, (proc, conn) in list(workers.items()):
-                    progress.update(timing, description=f"run {repeat + 1}/{args.repeats} {item['id']}: {key[1]}")
-                    conn.send((item["ids"], item["max_tokens"], item["penalty"]))
-                    r = receive(conn, proc)
-                    if "error" in r:
-                        skipped[key] = r["error"]
-                        console.print(f"[red]{key} failed: {r['error']}")
-                        workers.pop(key)
-                        proc.kill()
-                    else:
-                        results[key].append({**r, "item": item, "repeat": repeat})
-                    progress.advance(timing)
-            for proc, conn in workers.values():
-                conn.send(None)
-                proc.join(timeout=10)
+            groups = [[e] for e in engines] if args.one_at_a_time else [engines]
+            for group in groups:
+                workers = start_workers([e for e in group if e not in skipped], args, warm_up, skipped, progress,
+                                        console)
+                for item in items:  # round-robin: every engine on this prompt, then the next prompt
+                    for key, (proc, conn) in list(workers.items()):
+                        progress.update(timing, description=f"run {repeat + 1}/{args.repeats} {item['id']}: {key[1]}")
+                        conn.send((item["ids"], item["max_tokens"], item["penalty"]))
+                        r = receive(conn, proc)
+                        if "error" in r:
+                            skipped[key] = r["error"]
+                            console.print(f"[red]{key} failed: {r['error']}")
+                            workers.pop(key)
+                            proc.kill()
+                        else:
+                            results[key].append({**r, "item": item, "repeat": repeat})
+                        progress.advance(timing)
+                for proc, conn in workers.values():
+                    conn.send(None)
+                    proc.join(timeout=10)
     report = summarize(args, host, engines, items, results, skipped)
     stem = "speculative-quick" if args.quick else "speculative"
     write_json(args.out / f"{stem}.json", report)
