@@ -27,6 +27,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from fastdecode import memory
+from fastdecode.quant import int4
 from fastdecode.quant.kernels import native_ops
 from fastdecode.quant.linear import QuantLinear, lut_fits, lut_ops, pack_nibbles, unpack_nibbles
 from fastdecode.quant.repack import move
@@ -118,14 +119,13 @@ def dequantize_fp4(t: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype = to
 # ---- the native layout (kernels/fp4.cpp) --------------------------------------------------------------------------
 def to_blocks(qweight: torch.Tensor) -> torch.Tensor:
     """(N, K/2) codes, element 2i in the low nibble -> (N, K/32, 16) in GGUF's block order: byte j of a block holds
-    element j in its low nibble and element j + 16 in its high one."""
-    codes = unpack_nibbles(qweight).reshape(qweight.shape[0], -1, 2, 16)
-    return codes[:, :, 0] | codes[:, :, 1] << 4
+    element j in its low nibble and element j + 16 in its high one (as a Q4_0 block's)."""
+    return int4.to_blocks(unpack_nibbles(qweight))
 
 
 def from_blocks(blocks: torch.Tensor) -> torch.Tensor:
     """to_blocks' inverse."""
-    return pack_nibbles(torch.cat([blocks & 15, blocks >> 4], dim=-1).reshape(blocks.shape[0], -1))
+    return pack_nibbles(int4.from_blocks(blocks))
 
 
 def native_fits(fmt: str, out_features: int, in_features: int) -> bool:
