@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/shapes.py                      # Qwen2.5-Coder-1.5B and Llama-3.1-8B shapes, Q4_0 and Q8_0
     .venv/bin/python bench/shapes.py --shapes qwen2.5-coder-1.5b --types Q4_0 --runs 1   # a smoke run
+    .venv/bin/python bench/shapes.py --shapes gpt-oss-20b --types MXFP4     # MXFP4 experts, Q8_0 for the rest
 
 Decode speed depends on shapes and bytes, not on values, so the files hold random blocks (random codes, scales that
 give weights a std of about 0.02) in the real tensor shapes, with SmolLM2's tokenizer padded to the real vocabulary
