@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import command_line, fmt, machine, markdown_table, stats, write_json  # noqa: E402
+from bench.common import command_line, fmt, git_state, machine, markdown_table, stats, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_CACHE = "fastdecode --no-prefix-cache"
@@ -122,13 +121,6 @@ class LlamaCpp:
 
     def close(self):
         self.llm.close()
-
-
-def git_state() -> dict:
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip())
-    return {"commit": sha, "dirty": dirty}
 
 
 def main():

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.agent_session import ROOT, Server, git_state  # noqa: E402
-from bench.common import command_line, machine, markdown_table, write_json  # noqa: E402
+from bench.agent_session import ROOT, Server  # noqa: E402
+from bench.common import command_line, git_state, machine, markdown_table, write_json  # noqa: E402
 
 NORMAL = [{"role": "user", "content": "Name three prime numbers."}]
 

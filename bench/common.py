@@ -54,9 +54,16 @@ def command_line() -> str:
     return shlex.join([Path(sys.executable).name, *sys.argv])
 
 
+def git_state() -> dict:
+    """The commit a benchmark measured, and whether tracked files differed from it."""
+    return {"commit": git("rev-parse", "HEAD").decode().strip(),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip())}
+
+
 def write_json(path: Path, data: dict) -> None:
+    """Writes a result, with the commit it measured (git_state) unless the caller recorded it already."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(json.dumps({**git_state(), **data}, indent=2) + "\n")
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:

@@ -480,8 +480,6 @@ def bytes_per_token(row: dict, gguf: dict, prompt_tokens: int, tokens: int) -> i
 
 
 def summarize(args, host, rows, sizes, probes, ids, same_ids, decode) -> dict:
-    import statistics
-
     ref = rows.get(REFERENCE)
     ref_tokens = ref["runs"][0]["tokens"] if ref and ref.get("runs") else None
     out = []

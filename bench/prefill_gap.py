@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.agent_session import ROOT, Server, git_state  # noqa: E402
-from bench.common import command_line, machine, write_json  # noqa: E402
+from bench.agent_session import ROOT, Server  # noqa: E402
+from bench.common import command_line, git_state, machine, write_json  # noqa: E402
 
 
 def long_prompt(tokens: int) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import command_line, fmt, fmt_range, git, machine, markdown_table, stats, write_json
+from common import command_line, fmt, fmt_range, git_state, machine, markdown_table, stats, write_json
 
 
 @dataclass(frozen=True)
@@ -365,10 +365,9 @@ def main(argv=None):
                                                                           else ""))
                 results[c][engine].append(r)
     rows = summarize(results, files, engines)
-    commit = git("rev-parse", "HEAD").decode().strip()
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    commit, dirty = git_state().values()
     table = render(rows)
-    report = {"commit": commit, "dirty": dirty, "command": command_line(), "machine": machine(), "args": {
+    report = {"command": command_line(), "machine": machine(), "args": {
         k: str(v) for k, v in vars(args).items() if k != "child"}, "rows": rows}
     write_json(args.out / "shapes.json", report)
     (args.out / "shapes.md").write_text(f"# bench/shapes.py at {commit[:10]}{' (dirty)' if dirty else ''}\n\n"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from common import command_line, git, machine, markdown_table, native_kernels_at, short_sha, write_json
+from common import command_line, git_state, machine, markdown_table, native_kernels_at, short_sha, write_json
 from fastdecode import memory
 from fastdecode.kernels import native_ops
 
@@ -96,9 +96,8 @@ def main():
                 rows.append(row)
                 print(f"{model:<22} {fmt} {n:>6}x{k:<6} {row['MB']:6.1f} MB  "
                       + "  ".join(f"{b} {row[b]['median']:5.1f} GB/s" for b in calls), flush=True)
-    commit = git("rev-parse", "HEAD").decode().strip()
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
-    report = {"benchmark": "stream", "commit": commit, "dirty": dirty, "command": command_line(),
+    commit, dirty = git_state().values()
+    report = {"benchmark": "stream", "command": command_line(),
               "machine": machine(), "threads": a.threads, "read_GBps": read, "builds": list(builds), "rows": rows}
     write_json(a.out / "stream.json", report)
     headers = ["model", "format", "N x K", "MB"] + [f"{b} GB/s" for b in builds]
