@@ -20,6 +20,13 @@ HF_ARCHITECTURES = {
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
                "gemma3_text": "gemma3", "gemma3": "gemma3", "gpt_oss": "gpt_oss"}
 SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "yarn")
+# Sizes far beyond any released model's (the largest have about 128 layers, hidden 16k, 262k-token vocabularies and
+# 10M-token contexts), below which nothing built from a config can take more than a file of its size can hold: a
+# hostile header asking for 2^31 layers is refused before a list of that length is made.
+SIZE_LIMITS = {"vocab_size": 1 << 23, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 4096,
+               "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12, "head_dim": 1 << 12,
+               "max_position_embeddings": 1 << 26, "num_experts": 1 << 12, "num_experts_per_tok": 1 << 12,
+               "moe_intermediate_size": 1 << 20, "decoder_sparse_step": 4096}
 # GGUF `general.architecture` values we read.
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
                       "gemma3": "gemma3", "gpt-oss": "gpt_oss"}
@@ -144,7 +151,7 @@ class ModelConfig:
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
-        )
+        ).check()
         kind = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type") or "default"
         if kind not in SUPPORTED_ROPE_SCALING:
             raise UnsupportedModelError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
@@ -160,19 +167,23 @@ class ModelConfig:
         if cfg.get("model_type") == "mistral" and cfg.get("sliding_window"):
             c.sliding_window = cfg["sliding_window"]  # Mistral 7B v0.1: every layer attends within a window
             c.layer_types = ["sliding_attention"] * c.num_hidden_layers
-        return c
+        return c.check()
 
     def check(self) -> "ModelConfig":
-        """Raises ModelFileError unless the sizes are positive integers and the heads group evenly."""
-        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+        """Raises ModelFileError unless the sizes are positive integers within SIZE_LIMITS and the heads group
+        evenly. Called as soon as the sizes are read, before anything is built from them (a list per layer)."""
+        sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings"]
+        if self.num_experts != 0:  # an MoE model (None: a file that names no expert count)
+            sizes += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"]
         bad = [name for name in sizes if type(getattr(self, name)) is not int or getattr(self, name) <= 0]
-        if self.num_experts:
-            bad += [name for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
-                    if type(getattr(self, name)) is not int or getattr(self, name) <= 0]
         if bad:
             raise ModelFileError(f"the model's {', '.join(bad)} must be positive integers")
-        if self.num_experts_per_tok > self.num_experts:
+        big = [f"{name} {getattr(self, name)} > {SIZE_LIMITS[name]}" for name in sizes
+               if getattr(self, name) > SIZE_LIMITS[name]]
+        if big:
+            raise ModelFileError(f"the model's sizes are beyond any model's: {', '.join(big)}")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ModelFileError(f"{self.num_experts_per_tok} experts per token, but only {self.num_experts} experts")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelFileError(f"{self.num_attention_heads} attention heads do not share "
@@ -229,7 +240,7 @@ class ModelConfig:
             hidden_act="gelu_pytorch_tanh" if family == "gemma3" else "silu",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=[meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else [],
-        )
+        ).check()
         if family != "gemma3":
             c.rope_local_base_freq = c.rope_theta  # only Gemma 3's windowed layers have their own base
         if family == "qwen2":

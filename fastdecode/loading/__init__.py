@@ -43,7 +43,7 @@ def load_model(path, dtype: torch.dtype = torch.float32, progress=None, quant: s
         config, weights, freq_factors, _ = load_gguf(path, dtype, progress)
     else:
         raise ModelFileError(f"model path {path} does not exist")
-    check_parameter_count(config, weights, path)
+    check_parameter_count(config, [numel(w) for w in weights.values()], path)
     with skip_init(dtype):
         model = model_class(config.family)(config)
     try:
@@ -54,19 +54,21 @@ def load_model(path, dtype: torch.dtype = torch.float32, progress=None, quant: s
     return model.eval()
 
 
-def check_parameter_count(config, weights: dict[str, torch.Tensor], path: Path):
-    """Refuses a config that asks for more parameters than the checkpoint holds (a corrupt or hostile header)
-    before anything is allocated: the model is built on the meta device, which allocates nothing."""
-    if config.num_hidden_layers > len(weights):  # every layer holds tensors; this also bounds the meta build
-        raise ModelFileError(f"{path}: {config.num_hidden_layers} layers, but the checkpoint holds {len(weights)} "
+def check_parameter_count(config, counts: list[int], path: Path):
+    """Refuses a config that asks for more parameters than the checkpoint's tensors (`counts`: their element counts)
+    hold, a corrupt or hostile header, before anything is allocated: the model is built on the meta device, which
+    allocates nothing."""
+    if config.num_hidden_layers > len(counts):  # every layer holds tensors; this also bounds the meta build
+        raise ModelFileError(f"{path}: {config.num_hidden_layers} layers, but the checkpoint holds {len(counts)} "
                              "tensors")
     try:
         with torch.device("meta"):
             wanted = sum(p.numel() for p in model_class(config.family)(config).parameters())
-    except (RuntimeError, ValueError, OverflowError) as e:  # sizes no tensor can have
+    except (RuntimeError, ValueError, OverflowError, TypeError) as e:  # sizes no tensor can have (TypeError: torch's
+        # overflow of a size past int64)
         reason = str(e).splitlines()[0]
         raise ModelFileError(f"{path}: the config describes no model that can be built ({reason})") from None
-    held = sum(numel(w) for w in weights.values()) + config.vocab_size * config.hidden_size  # + a tied head
+    held = sum(counts) + config.vocab_size * config.hidden_size  # + a tied head
     if wanted > held:
         raise ModelFileError(f"{path}: the config's shapes need {wanted} parameters, the checkpoint holds {held}")
 

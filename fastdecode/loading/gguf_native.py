@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from collections import Counter
 from itertools import groupby
 
@@ -55,10 +56,11 @@ GGUF_NAMES = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
 
 def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, backend: str | None = None):
     """`progress` wraps an iterable (of module names); `backend` forces the quant modules' (tests)."""
-    from fastdecode.loading import skip_init
+    from fastdecode.loading import check_parameter_count, skip_init
 
     f = GGUFFile(path)
     config = gguf_config(f)
+    check_parameter_count(config, [math.prod(t.shape) for t in f.tensors.values()], f.path)
     with skip_init(dtype), torch.device("meta"):
         model = model_class(config.family)(config)
     loader = ModuleLoader(f, config, dtype, backend)

@@ -156,6 +156,7 @@ class Tokenizer:
         model, tokens = get("model"), get("tokens")
         if model is None or not tokens or not isinstance(tokens, list):
             raise ModelFileError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.model/tokens missing)")
+        check_gguf_tokenizer_types(metadata)
         n = len(tokens)
         token_type = np.asarray(get("token_type", [1] * n))
         scores = get("scores")
@@ -213,6 +214,33 @@ class Tokenizer:
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         return cls(backend, bos_id, [i for i in eos_ids if i is not None], template)
+
+
+# The tokenizer keys of a GGUF file and the types their values must have (a hostile file may give any key any type).
+GGUF_TOKENIZER_TYPES = {"model": "string", "pre": "string", "tokens": "strings", "merges": "strings",
+                        "token_type": "integers", "scores": "numbers", "bos_token_id": "integer",
+                        "eos_token_id": "integer", "unknown_token_id": "integer", "padding_token_id": "integer",
+                        "add_space_prefix": "boolean", "add_bos_token": "boolean", "add_eos_token": "boolean"}
+
+
+def check_gguf_tokenizer_types(metadata: dict):
+    """Raises ModelFileError naming the first tokenizer key whose value is not of its type."""
+    def integer(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    is_kind = {"string": lambda v: isinstance(v, str), "integer": integer, "boolean": lambda v: isinstance(v, bool),
+               "strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+               "integers": lambda v: isinstance(v, list) and all(map(integer, v)),
+               "numbers": lambda v: isinstance(v, list) and all(integer(x) or isinstance(x, float) for x in v)}
+    for key, kind in GGUF_TOKENIZER_TYPES.items():
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None and not is_kind[kind](value):
+            raise ModelFileError(f"GGUF metadata tokenizer.ggml.{key} must be {'an' if kind[0] == 'i' else 'a'} "
+                                 f"{kind.removesuffix('s') + ' list' if kind.endswith('s') else kind}, "
+                                 f"not {type(value).__name__}")
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelFileError(f"GGUF metadata tokenizer.chat_template must be a string, not {type(template).__name__}")
 
 
 def length_preserving(normalizer: dict | None) -> bool:
