@@ -79,9 +79,9 @@ drafter: install
 	$(FASTDECODE) pull smollm2-135m
 	$(FASTDECODE) train-drafter -m smollm2-135m --out $(DRAFTER_DIR) --threads $(THREADS) $(DRAFTER_ARGS)
 
-# Real coding agents against `fastdecode serve` (docs/agents.md), kept out of `make test`: Claude Code and Codex CLI
-# installed with npm into $(FASTDECODE_HOME)/agents, `claude -p` and `codex exec` on a one-file task against
-# gemma3-270m (32k context). Takes minutes: the agents' 9k-20k-token first prompts are prefilled on the CPU.
+# Real coding agents against `fastdecode serve` (docs/agents.md), kept out of `make test`: Claude Code, Codex CLI
+# and opencode installed with npm into $(FASTDECODE_HOME)/agents, `claude -p`, `codex exec` and `opencode run` on a
+# one-file task against gemma3-270m (32k context). Takes minutes: the agents' 9k-20k-token first prompts are prefilled on the CPU.
 .PHONY: agents
 agents: install
 	$(FASTDECODE) pull gemma3-270m

@@ -1,13 +1,13 @@
 """Real coding agents against `fastdecode serve` (docs/agents.md), the check behind `make agents`.
 
-Installs the agents with npm into a cache folder (Claude Code, which speaks the Anthropic Messages API, and Codex CLI,
-which speaks the OpenAI Responses API), serves gemma3-270m (32k context: Claude Code's first request is about 20k
-tokens, Codex's about 9k) on a free loopback port, and runs each one non-interactively (`claude -p`, `codex exec`) on
-a one-file task in a scratch folder with a scratch HOME. An agent passes when it reports no API error and the server
-logged its request with the tools in it and refused none; the tiny model's answer is not judged. Writes the server
-log and each agent's output into the scratch folder.
+Installs the agents with npm into a cache folder (Claude Code, which speaks the Anthropic Messages API, Codex CLI,
+which speaks the OpenAI Responses API, and opencode, which speaks Chat Completions), serves gemma3-270m (32k context:
+Claude Code's first request is about 20k tokens, Codex's about 9k) on a free loopback port, and runs each one
+non-interactively (`claude -p`, `codex exec`, `opencode run`) on a one-file task in a scratch folder with a scratch
+HOME. An agent passes when it reports no API error and the server logged its request with the tools in it and refused
+none; the tiny model's answer is not judged. Writes the server log and each agent's output into the scratch folder.
 
-    python bench/agents.py [--agents claude,codex] [--threads 2] [--timeout 1800]
+    python bench/agents.py [--agents claude,codex,opencode] [--threads 2] [--timeout 1800]
 """
 from __future__ import annotations
 
@@ -80,9 +80,13 @@ def start_server(model: str, port: int, threads: int, log: Path) -> subprocess.P
     sys.exit(f"the server did not come up in 600 s; see {log}")
 
 
+def without(prefixes: tuple, home: Path) -> dict:
+    """This environment with a scratch HOME and none of the agent's own variables (keys, base URLs)."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(prefixes)}, "HOME": str(home)}
+
+
 def claude_env(home: Path, port: int, model: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))}
-    return {**env, "HOME": str(home), "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}",
+    return {**without(("ANTHROPIC_", "CLAUDE_"), home), "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}",
             "ANTHROPIC_API_KEY": "local", "ANTHROPIC_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
             "ANTHROPIC_DEFAULT_SONNET_MODEL": model, "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
             "ANTHROPIC_SMALL_FAST_MODEL": model, "API_TIMEOUT_MS": "1800000",
@@ -93,31 +97,49 @@ def claude_env(home: Path, port: int, model: str) -> dict:
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1"}
 
 
-class Agent:
-    """How to run one agent: its package, command line and environment, and the server log lines of its requests
-    (groups: tools, prompt tokens) and of refusals."""
+OPENCODE_CONFIG = """{{
+  "$schema": "https://opencode.ai/config.json",
+  "provider": {{"fastdecode": {{
+    "npm": "@ai-sdk/openai-compatible", "name": "fastdecode",
+    "options": {{"baseURL": "http://127.0.0.1:{port}/v1", "apiKey": "local", "timeout": false}},
+    "models": {{"{model}": {{"name": "{model}", "limit": {{"context": 32768, "output": 512}}}}}}}}}},
+  "model": "fastdecode/{model}", "small_model": "fastdecode/{model}", "autoupdate": false, "share": "disabled"
+}}
+"""
 
-    def __init__(self, name: str, package: str, binary: str, requests: str, endpoint: str):
-        self.name, self.package, self.binary = name, package, binary
+
+def codex_env(home: Path, port: int, model: str) -> dict:
+    (home / ".codex").mkdir(parents=True, exist_ok=True)
+    (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(model=model, port=port))
+    return without(("OPENAI_", "CODEX_"), home)
+
+
+def opencode_env(home: Path, port: int, model: str) -> dict:
+    (home / ".config" / "opencode").mkdir(parents=True, exist_ok=True)
+    (home / ".config" / "opencode" / "opencode.json").write_text(OPENCODE_CONFIG.format(model=model, port=port))
+    return without(("OPENCODE_", "OPENAI_", "XDG_"), home)
+
+
+class Agent:
+    """How to run one agent: its package, command line (after the binary) and environment, and the server log
+    lines of its requests (groups: tools, prompt tokens) and of refusals. Every agent but Claude Code exits non-zero
+    on an API error."""
+
+    def __init__(self, name: str, package: str, binary: str, args: list[str], env, requests: str, endpoint: str):
+        self.name, self.package, self.binary, self.args, self.env = name, package, binary, args, env
         self.requests, self.refused = re.compile(requests), re.compile(rf'"POST {endpoint}[^"]*" (4\d\d|5\d\d)')
 
     def command(self, path: Path, args) -> list[str]:
-        if self.name == "claude":
-            return [str(path), "-p", TASK, "--max-turns", str(args.max_turns)]
-        return [str(path), "exec", "--skip-git-repo-check", TASK]
-
-    def env(self, home: Path, port: int, model: str) -> dict:
-        if self.name == "claude":
-            return claude_env(home, port, model)
-        (home / ".codex").mkdir(parents=True, exist_ok=True)
-        (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(model=model, port=port))
-        return {**{k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_"))}, "HOME": str(home)}
+        turns = ["--max-turns", str(args.max_turns)] if self.name == "claude" else []
+        return [str(path), *self.args, TASK, *turns]
 
 
-AGENTS = {"claude": Agent("claude", "@anthropic-ai/claude-code", "claude",
+AGENTS = {"claude": Agent("claude", "@anthropic-ai/claude-code", "claude", ["-p"], claude_env,
                           r"messages: \d+ turns, ([1-9]\d*) tools, (\d+) prompt tokens", "/v1/messages"),
-          "codex": Agent("codex", "@openai/codex", "codex",
-                         r"responses: \d+ input items, ([1-9]\d*) tools, (\d+) prompt tokens", "/v1/responses")}
+          "codex": Agent("codex", "@openai/codex", "codex", ["exec", "--skip-git-repo-check"], codex_env,
+                         r"responses: \d+ input items, ([1-9]\d*) tools, (\d+) prompt tokens", "/v1/responses"),
+          "opencode": Agent("opencode", "opencode-ai", "opencode", ["run"], opencode_env,
+                            r"chat: \d+ messages, ([1-9]\d*) tools, (\d+) prompt tokens", "/v1/chat/completions")}
 
 
 def run_agent(agent: Agent, args, scratch: Path) -> str | None:
@@ -149,7 +171,7 @@ def run_agent(agent: Agent, args, scratch: Path) -> str | None:
     # as an incomplete response and exit code 1), which shows the reply's end was understood, not a protocol fault.
     # `claude -p --max-turns 1` also exits 1 when the model wanted another turn.
     rambled = bool(OUTPUT_LIMIT.search(output))
-    api_error = code is None or (not rambled and ("API Error" in output or (agent.name == "codex" and code != 0)))
+    api_error = code is None or (not rambled and ("API Error" in output or (agent.name != "claude" and code != 0)))
     if rambled:
         print(f"{agent.name}: the model reached its output limit (model behaviour, not a protocol fault)")
     print(f"{agent.name} ran {seconds:.0f} s, exit code {code}; requests with tools: "

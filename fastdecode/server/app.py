@@ -7,6 +7,7 @@ errors keep their HTTP status; a client that leaves at any point frees the engin
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import asynccontextmanager
 
@@ -29,6 +30,8 @@ from fastdecode.server.security import Guard
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PENDING = object()  # a stream's first chunk, not yet come
+
+log = logging.getLogger(__name__)
 
 
 class ClientGone(Exception):
@@ -82,6 +85,8 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         served.check_model(body.model)
         job = await run_in_threadpool(chat_request, body, served)
+        log.info("chat: %d messages, %d tools, %d prompt tokens, max_tokens %d%s", len(body.messages),
+                 len(body.tools or []), len(job.prompt_ids), job.params.max_tokens, ", streamed" if body.stream else "")
         fmt = ChatFormatter(served.id, llm.tokenizer, len(job.prompt_ids), job.params.logprobs is not None,
                             include_usage(body), reply=job.reply)
         return await answer(request, job, fmt, bool(body.stream))
