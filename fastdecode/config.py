@@ -170,8 +170,9 @@ class ModelConfig:
         return c.check()
 
     def check(self) -> "ModelConfig":
-        """Raises ModelFileError unless the sizes are positive integers within SIZE_LIMITS and the heads group
-        evenly. Called as soon as the sizes are read, before anything is built from them (a list per layer)."""
+        """Raises ModelFileError unless the sizes are positive integers within SIZE_LIMITS, the other fields pass
+        field_checks and the heads group evenly. Called as soon as the sizes are read, before anything is built from
+        them (a list per layer), and again once every field is read."""
         sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "max_position_embeddings"]
         if self.num_experts != 0:  # an MoE model (None: a file that names no expert count)
@@ -183,12 +184,41 @@ class ModelConfig:
                if getattr(self, name) > SIZE_LIMITS[name]]
         if big:
             raise ModelFileError(f"the model's sizes are beyond any model's: {', '.join(big)}")
+        wrong = [name for name, ok in self.field_checks() if not ok]
+        if wrong:
+            raise ModelFileError(f"the model's {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} malformed")
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ModelFileError(f"{self.num_experts_per_tok} experts per token, but only {self.num_experts} experts")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelFileError(f"{self.num_attention_heads} attention heads do not share "
                                  f"{self.num_key_value_heads} key/value heads evenly")
         return self
+
+    def field_checks(self):
+        """(field, whether its value has the type and form the model code reads) for the fields beside the sizes."""
+        def number(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        def integers(v):
+            return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+        yield "rms_norm_eps", number(self.rms_norm_eps) and self.rms_norm_eps >= 0
+        for name in ("rope_theta", "rope_local_base_freq", "swiglu_alpha"):
+            yield name, number(getattr(self, name)) and getattr(self, name) > 0
+        for name in ("query_pre_attn_scalar", "final_logit_softcapping", "swiglu_limit"):
+            yield name, getattr(self, name) is None or (number(getattr(self, name)) and getattr(self, name) > 0)
+        yield "sliding_window", self.sliding_window is None or (type(self.sliding_window) is int
+                                                                 and self.sliding_window > 0)
+        yield "hidden_act", isinstance(self.hidden_act, str)
+        yield "rope_scaling", self.rope_scaling is None or isinstance(self.rope_scaling, dict)
+        yield "layer_types", self.layer_types == [] or (
+            isinstance(self.layer_types, list) and len(self.layer_types) == self.num_hidden_layers
+            and all(t in ("sliding_attention", "full_attention") for t in self.layer_types))
+        yield "mlp_only_layers", integers(self.mlp_only_layers)
+        yield "eos_token_id", integers(self.eos_token_id)
+        yield "bos_token_id", self.bos_token_id is None or integers([self.bos_token_id])
+        for name in ("tie_word_embeddings", "attention_bias", "norm_topk_prob"):
+            yield name, isinstance(getattr(self, name), bool)
 
     @classmethod
     def from_gguf(cls, meta: dict) -> "ModelConfig":

@@ -19,7 +19,7 @@ def read_config(path: Path) -> ModelConfig:
         return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     except FileNotFoundError:
         raise ModelFileError(f"{path} has no config.json") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+    except (json.JSONDecodeError, AttributeError, IndexError, KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelFileError(f"{path}/config.json is malformed: {e}") from None
 
 

@@ -3,8 +3,10 @@ its own type that no model has (zero, negative, huge, NaN, empty, truncated or n
 left out. Each file either loads (the model with its GGUF weights, the tokenizer, which then encodes and decodes) or
 fails with the one-line model-file error (or the unsupported-model one), never a traceback, a long loop or a huge
 allocation. The container's own fields (counts, lengths, offsets) are mutated by test_gguf_file.py."""
+import json
 import math
 import os
+import shutil
 import struct
 import time
 
@@ -144,3 +146,38 @@ def test_every_hostile_metadata_value_loads_or_fails_with_a_model_file_error(mod
             tried += 1
     assert not failures, "\n".join(failures)
     assert tried > 50 and 0 < loaded < tried  # values a model tolerates (a name, an empty merge list) load
+
+
+# ---- config.json ---------------------------------------------------------------------------------------------------
+HOSTILE_JSON = [None, 0, -1, 2**31 - 1, 2**64, 2.5, float("nan"), "x", True, [], [1, 2], {}, {"rope_type": 7}]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_hf", "qwen3_moe_hf"])
+def test_every_hostile_config_json_value_loads_or_fails_with_a_model_file_error(name, tmp_path):
+    """The same for a Hugging Face directory's config.json: each key given each value of HOSTILE_JSON, or left out."""
+    source = checkpoint(name).hf_dir
+    config = json.loads((source / "config.json").read_text())
+    folder = tmp_path / name
+    shutil.copytree(source, folder)
+    tried, loaded, failures = 0, 0, []
+    for key in config:
+        for label, v in [("left out", None), *((repr(v), v) for v in HOSTILE_JSON)]:
+            changed = {k: w for k, w in config.items() if k != key or label != "left out"}
+            if label != "left out":
+                changed[key] = v
+            (folder / "config.json").write_text(json.dumps(changed))
+            start = time.perf_counter()
+            try:
+                load_model(folder)
+                loaded += 1
+            except FastdecodeError as e:
+                if "\n" in str(e):
+                    failures.append(f"{key} {label}: a message of several lines: {e}")
+            except Exception as e:  # noqa: BLE001 - the point: no other exception may come out
+                first_line = str(e).partition("\n")[0]
+                failures.append(f"{key} {label}: {type(e).__name__}: {first_line}")
+            if time.perf_counter() - start > 10:
+                failures.append(f"{key} {label}: {time.perf_counter() - start:.0f} s")
+            tried += 1
+    assert not failures, "\n".join(failures)
+    assert 0 < loaded < tried
