@@ -101,6 +101,32 @@ def table_end(reader: gguf.GGUFReader) -> int:
     return last.offset + sum(p.nbytes for p in last.parts)
 
 
+def load_gguf(path, whole: bool):
+    """The tokenizer, which then encodes and decodes; with `whole`, the model too (its GGUF formats, the default)."""
+    tokenizer = load_tokenizer(path)
+    tokenizer.decode(tokenizer.encode("hello world"))
+    if whole:
+        load_model(path, quant="gguf")
+
+
+def loads_or_refuses(load, what: str, failures: list[str]) -> bool:
+    """Runs load() -> whether it loaded. A one-line FastdecodeError is a clean refusal; any other exception, a message
+    of several lines or more than 10 s goes into `failures`, named by `what`."""
+    start, loaded = time.perf_counter(), False
+    try:
+        load()
+        loaded = True
+    except FastdecodeError as e:
+        if "\n" in str(e):
+            failures.append(f"{what}: a message of several lines: {e}")
+    except Exception as e:  # noqa: BLE001 - the point: no other exception may come out
+        first_line = str(e).partition("\n")[0]
+        failures.append(f"{what}: {type(e).__name__}: {first_line}")
+    if time.perf_counter() - start > 10:
+        failures.append(f"{what}: {time.perf_counter() - start:.0f} s")
+    return loaded
+
+
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-gemma3", "tiny-qwen3_moe", "smollm2"])
 def model_file(request):
     if request.param == "smollm2":
@@ -128,21 +154,7 @@ def test_every_hostile_metadata_value_loads_or_fails_with_a_model_file_error(mod
             path.write_bytes(with_field(data, reader, field, new))
             if not whole:  # the tensor data as a hole of zeros: the tokenizer reads none of it
                 os.truncate(path, path.stat().st_size + model_file.stat().st_size - reader.data_offset)
-            start = time.perf_counter()
-            try:
-                tokenizer = load_tokenizer(path)
-                tokenizer.decode(tokenizer.encode("hello world"))
-                if whole:
-                    load_model(path, quant="gguf")
-                loaded += 1
-            except FastdecodeError as e:
-                if "\n" in str(e):
-                    failures.append(f"{field.name} {label}: a message of several lines: {e}")
-            except Exception as e:  # noqa: BLE001 - the point: no other exception may come out
-                first_line = str(e).partition("\n")[0]
-                failures.append(f"{field.name} {label}: {type(e).__name__}: {first_line}")
-            if time.perf_counter() - start > 10:
-                failures.append(f"{field.name} {label}: {time.perf_counter() - start:.0f} s")
+            loaded += loads_or_refuses(lambda: load_gguf(path, whole), f"{field.name} {label}", failures)
             tried += 1
     assert not failures, "\n".join(failures)
     assert tried > 50 and 0 < loaded < tried  # values a model tolerates (a name, an empty merge list) load
@@ -166,18 +178,7 @@ def test_every_hostile_config_json_value_loads_or_fails_with_a_model_file_error(
             if label != "left out":
                 changed[key] = v
             (folder / "config.json").write_text(json.dumps(changed))
-            start = time.perf_counter()
-            try:
-                load_model(folder)
-                loaded += 1
-            except FastdecodeError as e:
-                if "\n" in str(e):
-                    failures.append(f"{key} {label}: a message of several lines: {e}")
-            except Exception as e:  # noqa: BLE001 - the point: no other exception may come out
-                first_line = str(e).partition("\n")[0]
-                failures.append(f"{key} {label}: {type(e).__name__}: {first_line}")
-            if time.perf_counter() - start > 10:
-                failures.append(f"{key} {label}: {time.perf_counter() - start:.0f} s")
+            loaded += loads_or_refuses(lambda: load_model(folder), f"{key} {label}", failures)
             tried += 1
     assert not failures, "\n".join(failures)
     assert 0 < loaded < tried
