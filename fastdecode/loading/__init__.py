@@ -54,16 +54,17 @@ def load_model(path, dtype: torch.dtype = torch.float32, progress=None, quant: s
     return model.eval()
 
 
-def check_parameter_count(config, counts: list[int], path: Path):
+def check_parameter_count(config, counts: list[int], path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Refuses a config that asks for more parameters than the checkpoint's tensors (`counts`: their element counts)
-    hold, a corrupt or hostile header, before anything is allocated: the model is built on the meta device, which
-    allocates nothing."""
+    hold, a corrupt or hostile header, before anything is allocated -> the model built on the meta device (which
+    allocates nothing), parameters in `dtype`, for a loader that fills it module by module."""
     if config.num_hidden_layers > len(counts):  # every layer holds tensors; this also bounds the meta build
         raise ModelFileError(f"{path}: {config.num_hidden_layers} layers, but the checkpoint holds {len(counts)} "
                              "tensors")
     try:
-        with torch.device("meta"):
-            wanted = sum(p.numel() for p in model_class(config.family)(config).parameters())
+        with skip_init(dtype), torch.device("meta"):
+            model = model_class(config.family)(config)
+        wanted = sum(p.numel() for p in model.parameters())
     except (RuntimeError, ValueError, OverflowError, TypeError) as e:  # sizes no tensor can have (TypeError: torch's
         # overflow of a size past int64)
         reason = str(e).splitlines()[0]
@@ -71,6 +72,7 @@ def check_parameter_count(config, counts: list[int], path: Path):
     held = sum(counts) + config.vocab_size * config.hidden_size  # + a tied head
     if wanted > held:
         raise ModelFileError(f"{path}: the config's shapes need {wanted} parameters, the checkpoint holds {held}")
+    return model
 
 
 def numel(w: torch.Tensor | nn.Module) -> int:

@@ -34,7 +34,6 @@ from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_loader import (GLOBAL_NAMES, block_tensors, dequantize_tensor, float_tensor, gguf_config,
                                             hf_name, permuted_heads)
 from fastdecode.loading.gguf_moe import expert_tensors
-from fastdecode.models import model_class
 from fastdecode.models.transformer import PACKED_MODULES
 from fastdecode.quant import build_linear, encode_linear, fits
 from fastdecode.quant.embedding import QuantEmbedding
@@ -56,13 +55,11 @@ GGUF_NAMES = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
 
 def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, backend: str | None = None):
     """`progress` wraps an iterable (of module names); `backend` forces the quant modules' (tests)."""
-    from fastdecode.loading import check_parameter_count, skip_init
+    from fastdecode.loading import check_parameter_count
 
     f = GGUFFile(path)
     config = gguf_config(f)
-    check_parameter_count(config, [math.prod(t.shape) for t in f.tensors.values()], f.path)
-    with skip_init(dtype), torch.device("meta"):
-        model = model_class(config.family)(config)
+    model = check_parameter_count(config, [math.prod(t.shape) for t in f.tensors.values()], f.path, dtype)
     loader = ModuleLoader(f, config, dtype, backend)
     names = ["lm_head", "embed_tokens"] + [
         name for name, m in model.named_modules()
