@@ -216,31 +216,32 @@ class Tokenizer:
         return cls(backend, bos_id, [i for i in eos_ids if i is not None], template)
 
 
-# The tokenizer keys of a GGUF file and the types their values must have (a hostile file may give any key any type).
-GGUF_TOKENIZER_TYPES = {"model": "string", "pre": "string", "tokens": "strings", "merges": "strings",
-                        "token_type": "integers", "scores": "numbers", "bos_token_id": "integer",
-                        "eos_token_id": "integer", "unknown_token_id": "integer", "padding_token_id": "integer",
-                        "add_space_prefix": "boolean", "add_bos_token": "boolean", "add_eos_token": "boolean"}
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+VALUE_KINDS = {"a string": lambda v: isinstance(v, str), "an integer": _integer,
+               "a boolean": lambda v: isinstance(v, bool),
+               "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+               "a list of integers": lambda v: isinstance(v, list) and all(map(_integer, v)),
+               "a list of numbers": lambda v: isinstance(v, list) and all(_integer(x) or type(x) is float for x in v)}
+# The tokenizer keys of a GGUF file and the kind of value each must hold (a hostile file may give any key any type).
+GGUF_TOKENIZER_KEYS = {
+    "tokenizer.ggml.model": "a string", "tokenizer.ggml.pre": "a string", "tokenizer.ggml.tokens": "a list of strings",
+    "tokenizer.ggml.merges": "a list of strings", "tokenizer.ggml.token_type": "a list of integers",
+    "tokenizer.ggml.scores": "a list of numbers", "tokenizer.ggml.bos_token_id": "an integer",
+    "tokenizer.ggml.eos_token_id": "an integer", "tokenizer.ggml.unknown_token_id": "an integer",
+    "tokenizer.ggml.padding_token_id": "an integer", "tokenizer.ggml.add_space_prefix": "a boolean",
+    "tokenizer.ggml.add_bos_token": "a boolean", "tokenizer.ggml.add_eos_token": "a boolean",
+    "tokenizer.chat_template": "a string"}
 
 
 def check_gguf_tokenizer_types(metadata: dict):
-    """Raises ModelFileError naming the first tokenizer key whose value is not of its type."""
-    def integer(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    is_kind = {"string": lambda v: isinstance(v, str), "integer": integer, "boolean": lambda v: isinstance(v, bool),
-               "strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-               "integers": lambda v: isinstance(v, list) and all(map(integer, v)),
-               "numbers": lambda v: isinstance(v, list) and all(integer(x) or isinstance(x, float) for x in v)}
-    for key, kind in GGUF_TOKENIZER_TYPES.items():
-        value = metadata.get(f"tokenizer.ggml.{key}")
-        if value is not None and not is_kind[kind](value):
-            raise ModelFileError(f"GGUF metadata tokenizer.ggml.{key} must be {'an' if kind[0] == 'i' else 'a'} "
-                                 f"{kind.removesuffix('s') + ' list' if kind.endswith('s') else kind}, "
-                                 f"not {type(value).__name__}")
-    template = metadata.get("tokenizer.chat_template")
-    if template is not None and not isinstance(template, str):
-        raise ModelFileError(f"GGUF metadata tokenizer.chat_template must be a string, not {type(template).__name__}")
+    """Raises ModelFileError naming the first tokenizer key whose value is not of its kind."""
+    for key, kind in GGUF_TOKENIZER_KEYS.items():
+        value = metadata.get(key)
+        if value is not None and not VALUE_KINDS[kind](value):
+            raise ModelFileError(f"GGUF metadata {key} must be {kind}, not {type(value).__name__}")
 
 
 def length_preserving(normalizer: dict | None) -> bool:
