@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 import weakref
+from dataclasses import replace
 
 import torch
 
@@ -38,8 +39,8 @@ class Engine:
         """background=False: no thread of its own; the caller drives it with pump() (deterministic tests)."""
         self.model, self.kv, self.runner, self.max_seq_len = model, kv, runner, max_seq_len
         self.background = background
-        self.config = config or SchedulerConfig()
-        self.config.min_prefill_rows = max(self.config.min_prefill_rows, prefill_floor(model.config))
+        config = config or SchedulerConfig()  # the caller's is left as it is (one may serve several engines)
+        self.config = replace(config, min_prefill_rows=max(config.min_prefill_rows, prefill_floor(model.config)))
         self.speculator = speculator
         self.scheduler = Scheduler(kv, self.config, max_seq_len, speculator)
         self.cv = threading.Condition()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -121,7 +121,7 @@ class LLM:
         self.model.setup_rope(self.max_seq_len)
         kv = KVCache.for_model(self.config, tokens, kv_dtype, self.model.embed_tokens.weight.device)
         self.runner = build_runner(self.model, kv, native)
-        scheduler.max_batch, scheduler.prefix_cache = max_batch, prefix_cache
+        scheduler = replace(scheduler, max_batch=max_batch, prefix_cache=prefix_cache)  # the caller's stays as it is
         self.engine = Engine(self.model, kv, self.runner, self.max_seq_len, scheduler)
         if self.speculate not in (None, "", "none"):
             self.engine.speculator = self.engine.scheduler.speculator = BatchSpeculator.build(
