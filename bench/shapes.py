@@ -8,8 +8,10 @@ Decode speed depends on shapes and bytes, not on values, so the files hold rando
 give weights a std of about 0.02) in the real tensor shapes, with SmolLM2's tokenizer padded to the real vocabulary
 so that llama.cpp loads them. Q4_K follows llama.cpp's Q4_K_M recipe (`tensor_type`), the file type people download. They are written once into $FASTDECODE_HOME/shapes. Every run is a fresh process (load included), the engines
 alternate within each round, and the parent reads each child's peak resident memory (ru_maxrss, from wait4): file
-pages that a memory-mapping engine touches count, as they do for the machine. Writes shapes.json (with the commit)
-and shapes.md into --out.
+pages that a memory-mapping engine touches count, as they do for the machine. fastdecode's first load of each file
+(no weight image yet: it packs the blocks and writes one, loading/weight_image.py) runs before the rounds and has
+its own column; in the rounds, both engines load from a warm page cache (llama.cpp maps the GGUF, fastdecode its
+image). Writes shapes.json (with the commit) and shapes.md into --out.
 """
 from __future__ import annotations
 
@@ -245,6 +247,15 @@ def shape_file(name: str, qtype: str, log) -> Path:
 # ---- one measured run, in a child process ------------------------------------------------------------------------
 def child(engine: str, path: str, prompt_tokens: int, tokens: int, threads: int, max_seq_len: int) -> dict:
     prompt = [int(i) for i in np.random.default_rng(0).integers(100, 40000, prompt_tokens)]  # SmolLM2's ids
+    if engine == "fastdecode-first":  # the first load of this file: no weight image yet, this load writes it
+        import torch
+
+        from fastdecode.loading import weight_image
+        from fastdecode.loading.gguf_file import GGUFFile
+
+        image = weight_image.WeightImage(GGUFFile(path), torch.float32)
+        weight_image.remove(image.directory, image.key)
+        engine = "fastdecode"
     start = time.perf_counter()
     if engine == "fastdecode":
         from fastdecode import LLM, SamplingParams
@@ -304,7 +315,7 @@ def llama_cpp_installed() -> bool:
         return False
 
 
-def summarize(results: dict, files: dict, engines: list[str]) -> list[dict]:
+def summarize(results: dict, files: dict, engines: list[str], first_loads: dict) -> list[dict]:
     rows = []
     for (name, qtype), by_engine in results.items():
         size = files[(name, qtype)].stat().st_size
@@ -312,6 +323,9 @@ def summarize(results: dict, files: dict, engines: list[str]) -> list[dict]:
             runs = [r for r in by_engine[engine] if "error" not in r]
             row = {"shape": name, "type": qtype, "engine": engine, "file_bytes": size, "runs": by_engine[engine],
                    "errors": [r["error"] for r in by_engine[engine] if "error" in r]}
+            if engine == "fastdecode":
+                row["first_load"] = first_loads[(name, qtype)]
+                row["first_load_s"] = first_loads[(name, qtype)].get("load_s")
             for key in ("load_s", "prefill_tok_s", "decode_tok_s", "peak_rss_bytes"):
                 row[key] = stats([r[key] for r in runs if r.get(key) is not None])
             peak = row["peak_rss_bytes"]["median"]
@@ -326,12 +340,13 @@ def summarize(results: dict, files: dict, engines: list[str]) -> list[dict]:
 
 def render(rows: list[dict]) -> str:
     gb = lambda s: {k: (v / 1e9 if isinstance(v, (int, float)) else v) for k, v in s.items()}  # noqa: E731
-    table = [[r["shape"], r["type"], f"{r['file_bytes'] / 1e9:.2f}", r["engine"], fmt_range(r["load_s"]),
+    table = [[r["shape"], r["type"], f"{r['file_bytes'] / 1e9:.2f}", r["engine"],
+              fmt(r.get("first_load_s"), ".1f"), fmt_range(r["load_s"]),
               fmt_range(gb(r["peak_rss_bytes"]), ".2f"), fmt(r["peak_rss_over_file"], ".2f"),
               fmt_range(r["prefill_tok_s"]), fmt_range(r["decode_tok_s"], ".2f"),
               fmt(r.get("decode_vs_llama_cpp"), ".2f")] for r in rows]
-    return markdown_table(["shape", "type", "file GB", "engine", "load s", "peak RSS GB", "RSS / file",
-                           "prefill tok/s", "decode tok/s", "decode vs llama.cpp"], table)
+    return markdown_table(["shape", "type", "file GB", "engine", "first load s", "load s", "peak RSS GB",
+                           "RSS / file", "prefill tok/s", "decode tok/s", "decode vs llama.cpp"], table)
 
 
 def main(argv=None):
@@ -355,6 +370,12 @@ def main(argv=None):
     configs = [(s, t) for s in args.shapes.split(",") for t in args.types.split(",")]
     files = {c: shape_file(*c, log) for c in configs}
     results = {c: {e: [] for e in engines} for c in configs}
+    first_loads = {}
+    for c in configs:  # fastdecode's first load packs the file's blocks into its weight image; every later one maps it
+        first_loads[c] = measure("fastdecode-first", files[c], args)
+        log(f"first load {c[0]} {c[1]} fastdecode: {first_loads[c].get('load_s', 0):.3g} s, peak RSS "
+            f"{first_loads[c]['peak_rss_bytes'] / 1e9:.2f} GB" + (f", error {first_loads[c]['error']}"
+                                                                 if "error" in first_loads[c] else ""))
     for i in range(args.runs):
         for c in configs:
             for engine in engines:
@@ -364,7 +385,7 @@ def main(argv=None):
                     + f", peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB" + (f", error {r['error']}" if "error" in r
                                                                           else ""))
                 results[c][engine].append(r)
-    rows = summarize(results, files, engines)
+    rows = summarize(results, files, engines, first_loads)
     commit, dirty = git_state().values()
     table = render(rows)
     report = {"command": command_line(), "machine": machine(), "args": {

@@ -11,12 +11,17 @@ memory (mmap's default) huge pages only where shmem_enabled allows, which it doe
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import mmap
 
 import torch
 
 MIN_BYTES = 1 << 20  # below this, torch's allocator (its pool is cheaper than a mapping)
+# Where packed weights go while a model loads (weights_into); None: fresh anonymous pages. A context, as torch.device
+# is, because the packing functions sit four calls below the loader that knows where the weights should live.
+WEIGHT_PAGES = contextvars.ContextVar("weight_pages", default=None)
 
 
 def zeros(*shape: int, dtype: torch.dtype, device=None, huge_pages: bool = True) -> torch.Tensor:
@@ -33,3 +38,22 @@ def zeros(*shape: int, dtype: torch.dtype, device=None, huge_pages: bool = True)
         except OSError:  # a kernel without transparent huge pages: 4 KB pages work the same
             pass
     return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+
+
+def weight_pages(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled tensor for a packed weight, written once by its packing: from the allocator that weights_into
+    set (a weight image's file pages, loading.weight_image), else zeros() on huge pages."""
+    allocate = WEIGHT_PAGES.get()
+    t = None if allocate is None else allocate(shape, dtype)
+    return zeros(*shape, dtype=dtype) if t is None else t
+
+
+@contextlib.contextmanager
+def weights_into(allocate):
+    """weight_pages takes its tensors from `allocate(shape, dtype) -> tensor or None` (None: it cannot, fresh pages
+    instead) within this block."""
+    token = WEIGHT_PAGES.set(allocate)
+    try:
+        yield
+    finally:
+        WEIGHT_PAGES.reset(token)

@@ -1,10 +1,16 @@
 """Shared fixtures: the real models come from the cache that `fastdecode pull` fills (make test pulls them)."""
+import os
+
 import pytest
 import torch
 
 from fastdecode.loading.catalog import CATALOG, cached_path
 
 torch.set_num_threads(2)
+# No weight images (loading/weight_image.py) in the suite, so that every load of a test file runs the loader it tests
+# (and nothing lands in the user's cache); tests/loading/test_weight_image.py turns them on. Child processes (the
+# CLI, the server) inherit this.
+os.environ.setdefault("FASTDECODE_WEIGHT_CACHE_GB", "0")
 
 
 def real_model_path(name: str):

@@ -51,3 +51,12 @@ def test_weights_get_huge_pages_and_a_sparse_buffer_does_not():
     sparse.fill_(1)
     assert anon_huge_bytes(weights) >= 16 << 20  # shared anonymous memory (mmap's default) got none
     assert anon_huge_bytes(sparse) == 0
+
+
+def test_weight_pages_come_from_the_allocator_in_force_else_fresh_pages():
+    given = torch.zeros(2, 3, dtype=torch.uint8)
+    with memory.weights_into(lambda shape, dtype: given if shape == (2, 3) else None):
+        assert memory.weight_pages(2, 3, dtype=torch.uint8) is given
+        declined = memory.weight_pages(4, 5, dtype=torch.uint8)  # the allocator declines: fresh zeros
+    assert declined.shape == (4, 5) and not declined.any()
+    assert memory.weight_pages(2, 3, dtype=torch.uint8) is not given

@@ -53,6 +53,7 @@ class GGUFFile:
         self.pos = 0
         try:
             self.metadata, self.tensors = self._parse()
+            self.header_size = self.pos  # metadata and tensor table
         except (struct.error, IndexError, UnicodeDecodeError, ValueError, OverflowError) as e:
             raise ModelFileError(f"{self.path} is not a valid GGUF file (truncated or corrupt: {e})") from None
 

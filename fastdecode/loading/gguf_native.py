@@ -34,6 +34,7 @@ from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_loader import (GLOBAL_NAMES, block_tensors, dequantize_tensor, float_tensor, gguf_config,
                                             hf_name, permuted_heads)
 from fastdecode.loading.gguf_moe import expert_tensors
+from fastdecode.loading.weight_image import WeightImage
 from fastdecode.models.transformer import PACKED_MODULES
 from fastdecode.quant import build_linear, encode_linear, fits
 from fastdecode.quant.embedding import QuantEmbedding
@@ -60,10 +61,27 @@ def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, ba
     f = GGUFFile(path)
     config = gguf_config(f)
     model = check_parameter_count(config, [math.prod(t.shape) for t in f.tensors.values()], f.path, dtype)
-    loader = ModuleLoader(f, config, dtype, backend)
-    names = ["lm_head", "embed_tokens"] + [
-        name for name, m in model.named_modules()
-        if name not in ("lm_head", "embed_tokens") and any(True for _ in m.parameters(recurse=False))]
+    # what the loader does to each module: replaces it (a matrix, the embedding) or sets its tensors (norms)
+    kinds = {name: "module" if name == "embed_tokens" or type(m) is nn.Linear else "tensors"
+             for name, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+    kinds = {"lm_head": kinds.pop("lm_head"), "embed_tokens": kinds.pop("embed_tokens"), **kinds}
+    image = WeightImage(f, dtype, enabled=backend is None)  # a load that forces a backend is a test's
+    formats = image.restore(model, kinds)
+    if formats is None:
+        with image.writing():
+            formats = load_modules(ModuleLoader(f, config, dtype, backend), model, kinds, progress)
+        if "rope_freqs.weight" in f.tensors:
+            model.rope_freq_factors = torch.from_numpy(dequantize_tensor(f.tensors["rope_freqs.weight"]).copy())
+        image.finish(model, kinds, formats)
+    log.info("gguf: kept compressed: %s", formats["kept"] or "none")
+    for kind, n in formats["requantized"].items():
+        log.warning("gguf: %d matrices of type %s have no kernel that keeps them compressed; requantized to int8",
+                    n, kind)
+    return model.eval()
+
+
+def load_modules(loader: "ModuleLoader", model: nn.Module, names, progress) -> dict[str, dict[str, int]]:
+    """Fills the meta model module by module -> the matrices kept in their formats and those requantized, by type."""
     trim = heap_trimmer()
     # Loading is byte moves (kernels/copy.cpp, kq_pack) bound by the kernel making the packed weights' fresh pages,
     # which two threads make faster than one: on the machine's threads, 8B Q4_0 loads in 4.1-4.3 s against 8.9 s
@@ -74,14 +92,8 @@ def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, ba
         trim()
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
-        raise ModelFileError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-    log.info("gguf: kept compressed: %s", dict(loader.kept) or "none")
-    for kind, n in loader.requantized.items():
-        log.warning("gguf: %d matrices of type %s have no kernel that keeps them compressed; requantized to int8",
-                    n, kind)
-    if "rope_freqs.weight" in f.tensors:
-        model.rope_freq_factors = torch.from_numpy(dequantize_tensor(f.tensors["rope_freqs.weight"]).copy())
-    return model.eval()
+        raise ModelFileError(f"{loader.f.path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    return {"kept": dict(loader.kept), "requantized": dict(loader.requantized)}
 
 
 def heap_trimmer():

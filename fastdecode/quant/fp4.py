@@ -137,7 +137,7 @@ def pack_native(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     and pair of blocks, the 8 scale bytes in (row, block) order, then each row's 32 code bytes (fp4.cpp). Bytes move,
     no value changes; the inputs may be strided views of a mapped file, read once."""
     N, K = blocks.shape[0], blocks.shape[1] * 32
-    out = memory.zeros(N // 4, K // 64, TILE_BYTES, dtype=torch.uint8)
+    out = memory.weight_pages(N // 4, K // 64, TILE_BYTES, dtype=torch.uint8)
     if (ops := native_ops()) is not None and blocks.stride(2) == 1:
         ops.fp4_pack(out, blocks, scales)
         return out

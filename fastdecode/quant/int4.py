@@ -78,7 +78,7 @@ def pack_native(qs: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torc
     kernels.cpp). Bytes move, no value is unpacked: a GGUF file's blocks go in as they are, read once from strided
     views of the file."""
     N, K = qs.shape[0], qs.shape[1] * 32
-    out = memory.zeros(N // 4, K // 64, 160, dtype=torch.uint8)  # written once, from strided views of the inputs
+    out = memory.weight_pages(N // 4, K // 64, 160, dtype=torch.uint8)  # written once, from strided views of the inputs
     if (ops := native_ops()) is not None and qs.stride(2) == 1:
         ops.q4_pack(out, qs, scale.to(torch.float16), mn.to(torch.float16))  # the same bytes in one pass
         return out

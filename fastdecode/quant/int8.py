@@ -81,7 +81,7 @@ def pack_native(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None)
         return pack_pairs(q, scale)
     if mins is None:  # w = d q = d (q + 128) - 128 d, exactly
         q, mins = (q.to(torch.int16) + 128).to(torch.uint8), -128 * scale.float()
-    out = memory.zeros(N // 4, K // QK, 16 + 4 * QK, dtype=torch.uint8)  # written once, from strided views
+    out = memory.weight_pages(N // 4, K // QK, 16 + 4 * QK, dtype=torch.uint8)  # written once, from strided views
     move(out[..., 16:].view(N // 4, K // QK, 4, QK), q.reshape(N // 4, 4, K // QK, QK).transpose(1, 2))
     for i, t in enumerate([scale, mins]):
         move(out[..., 8 * i:8 * i + 8].view(torch.float16),
@@ -95,7 +95,7 @@ def pack_pairs(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     of b+1, then 16..31 of b, of b+1 (the order the activations are quantized in)."""
     N, K = q.shape[0], q[0].numel()
     P = K // 64
-    out = memory.zeros(N // 4, P, PAIR_BYTES, dtype=torch.uint8)
+    out = memory.weight_pages(N // 4, P, PAIR_BYTES, dtype=torch.uint8)
     blocks = q.view(N, 2 * P, 32)
     if (ops := native_ops()) is not None and blocks.stride(2) == 1:
         ops.q8_pack(out, blocks, scale.to(torch.float16))  # the same bytes in one pass

@@ -53,7 +53,7 @@ def pack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     6-bit scale unpacking run on 8- and 4-byte words with bytewise masks (a shift across bytes only moves bits the mask
     drops), 8 and 4 times fewer elements than bytes."""
     N, S, _ = blocks.shape
-    out = memory.zeros(N // 4, S, TILE_BYTES[kind], dtype=torch.uint8)
+    out = memory.weight_pages(N // 4, S, TILE_BYTES[kind], dtype=torch.uint8)
     if kind != "q6_k" and (ops := native_ops()) is not None and blocks.stride(2) == 1:
         ops.kq_pack(out, blocks)  # the same bytes in one pass (kquant.cpp); what follows is the fallback
         return out
