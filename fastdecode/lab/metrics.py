@@ -125,6 +125,21 @@ def summarize_group(records: list[RequestRecord], window: int = WINDOW_TOKENS) -
     return out
 
 
+def busy_throughput(records: list[RequestRecord]) -> float | None:
+    """Output tokens/s while every user of a sweep level had work: from the first request sent to the moment the
+    first user ran out of requests (None for fewer than two users). The level's throughput also counts its tail, in
+    which fewer users remain: with a few requests per user and uneven lengths, a large share of it."""
+    ends: dict[int, float] = {}
+    for r in records:
+        if r.user is not None:
+            ends[r.user] = max(ends.get(r.user, 0.0), r.sent_at + r.end_s)
+    if len(ends) < 2:
+        return None
+    start, end = min(r.sent_at for r in records), min(ends.values())
+    tokens = sum(c.tokens for r in records if r.ok for c in r.chunks if r.sent_at + c.t <= end)
+    return tokens / (end - start) if end > start else None
+
+
 def error_kinds(records: list[RequestRecord]) -> dict[str, int]:
     kinds: dict[str, int] = defaultdict(int)
     for r in records:
@@ -164,7 +179,8 @@ def summarize(records: list[RequestRecord], window: int = WINDOW_TOKENS, interva
     categories = sorted(group_by(records, lambda r: r.category).items())
     out["by_category"] = {c: summarize_group(rs, window) for c, rs in categories}
     phases = group_by(records, lambda r: r.phase)
-    out["by_phase"] = {p: {**summarize_group(rs, window), "concurrency": rs[0].concurrency}
+    out["by_phase"] = {p: {**summarize_group(rs, window), "concurrency": rs[0].concurrency,
+                           **({"busy_throughput_tok_s": busy_throughput(rs)} if p.startswith("c=") else {})}
                        for p, rs in phases.items()}
     if any(r.arm for r in records):
         out["by_arm"] = {a: summarize_group(rs, window) for a, rs in sorted(group_by(records, lambda r: r.arm).items())}
@@ -182,6 +198,7 @@ def sweep_rows(summary: dict) -> list[dict]:
             rows.append({"concurrency": s["concurrency"], "per_user_tok_s": speed["median"] if speed else None,
                          "per_user_floor_tok_s": speed["p5"] if speed else None,
                          "throughput_tok_s": s.get("throughput_tok_s"),
+                         "busy_throughput_tok_s": s.get("busy_throughput_tok_s"),
                          "ttft_s": s["ttft_s"]["median"] if s["ttft_s"] else None, "errors": s["errors"]})
     return sorted(rows, key=lambda row: row["concurrency"])
 

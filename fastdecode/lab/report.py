@@ -92,9 +92,11 @@ def category_table(by_category: dict) -> str:
 
 def sweep_table(rows: list[dict]) -> str:
     head = ("<tr><th>users</th><th>per-user tok/s (median)</th><th>per-user floor (P5)</th>"
-            "<th>total throughput tok/s</th><th>median TTFT ms</th><th>errors</th></tr>")
+            "<th>total throughput tok/s</th><th>while all users busy</th><th>median TTFT ms</th>"
+            "<th>errors</th></tr>")
     body = "".join(f"<tr><td>{r['concurrency']}</td><td>{fmt(r['per_user_tok_s'])}</td>"
                    f"<td>{fmt(r['per_user_floor_tok_s'])}</td><td>{fmt(r['throughput_tok_s'])}</td>"
+                   f"<td>{fmt(r.get('busy_throughput_tok_s'))}</td>"
                    f"<td>{fmt(r['ttft_s'], 1e3)}</td><td>{r['errors']}</td></tr>" for r in rows)
     return f"<table class='sweep'>{head}{body}</table>"
 

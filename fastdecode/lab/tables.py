@@ -37,11 +37,13 @@ def print_summary(console: Console, title: str, s: dict) -> None:
     rows = sweep_rows(s)
     if rows:
         w = Table(title="concurrency sweep", title_justify="left")
-        for name in ["users", "per-user tok/s", "per-user P5", "throughput tok/s", "median TTFT ms", "errors"]:
+        for name in ["users", "per-user tok/s", "per-user P5", "throughput tok/s", "all busy tok/s", "median TTFT ms",
+                     "errors"]:
             w.add_column(name, justify="right")
         for r in rows:
             w.add_row(str(r["concurrency"]), fmt(r["per_user_tok_s"]), fmt(r["per_user_floor_tok_s"]),
-                      fmt(r["throughput_tok_s"]), fmt(r["ttft_s"], 1e3), str(r["errors"]))
+                      fmt(r["throughput_tok_s"]), fmt(r.get("busy_throughput_tok_s")), fmt(r["ttft_s"], 1e3),
+                      str(r["errors"]))
         console.print(w)
     if s.get("compare"):
         cmp = s["compare"]

@@ -139,3 +139,12 @@ def test_speed_over_time_is_a_median_per_interval():
     rs = [record([(0.0, 1), (0.1, 1)], sent_at=t) for t in (0.0, 1.0, 12.0)]
     series = soak_series(rs, interval_s=10.0)
     assert [p["requests"] for p in series] == [2, 1] and series[0]["median_tok_s"] == pytest.approx(10.0)
+
+
+def test_busy_throughput_stops_when_the_first_user_runs_out_of_requests():
+    # user 0: one request of 4 tokens ending at t=1.0; user 1: 10 tokens from t=0.1 to t=2.0, 5 of them by t=1.0
+    rs = [record([(0.25 * i, 1) for i in range(1, 5)], phase="c=2", concurrency=2, user=0),
+          record([(0.1 + 0.2 * i, 1) for i in range(10)], end_s=2.0, phase="c=2", concurrency=2, user=1)]
+    row = sweep_rows(summarize(rs))[0]
+    assert row["busy_throughput_tok_s"] == pytest.approx((4 + 5) / 1.0)
+    assert row["throughput_tok_s"] == pytest.approx(14 / 2.0)  # the tail, user 1 alone, counted
