@@ -32,12 +32,17 @@ def zeros(*shape: int, dtype: torch.dtype, device=None, huge_pages: bool = True)
     if nbytes < MIN_BYTES or torch.device(device or "cpu").type != "cpu":
         return torch.zeros(*shape, dtype=dtype, device=device)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_pages:
+        advise_huge_pages(pages)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+
+
+def advise_huge_pages(pages: mmap.mmap) -> None:
+    if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             pages.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel without transparent huge pages: 4 KB pages work the same
             pass
-    return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 def weight_pages(*shape: int, dtype: torch.dtype) -> torch.Tensor:

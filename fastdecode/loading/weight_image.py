@@ -265,7 +265,7 @@ class ImageWriter:
             log.warning("weight image: %s; this load keeps its weights in memory only", e)
             self.failed = True
             return None
-        advise_huge_pages(pages)
+        memory.advise_huge_pages(pages)
         t = torch.frombuffer(pages, dtype=torch.uint8, count=nbytes)
         self.regions[t.data_ptr()] = offset
         return t.view(dtype).view(*shape)
@@ -302,8 +302,10 @@ class ImageWriter:
 
     def commit(self, manifest: dict) -> None:
         try:
-            os.fdatasync(self.fd)  # the data on disk before the manifest that vouches for it
-            os.close(self.fd)
+            try:
+                os.fdatasync(self.fd)  # the data on disk before the manifest that vouches for it
+            finally:
+                os.close(self.fd)
             tmp = self.directory / f"{self.key}.json.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(manifest))
             os.replace(tmp, self.directory / f"{self.key}.json")
@@ -315,14 +317,6 @@ class ImageWriter:
 
 def whole_pages(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
-
-
-def advise_huge_pages(pages: mmap.mmap) -> None:
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            pages.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages
-            pass
 
 
 def restore(directory: Path, key: str) -> tuple[dict | None, dict | None]:
@@ -342,7 +336,7 @@ def restore(directory: Path, key: str) -> tuple[dict | None, dict | None]:
             if manifest["file_bytes"] != size:
                 raise ImageError(f"data is {size} bytes, the manifest says {manifest['file_bytes']}")
             pages = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        advise_huge_pages(pages)  # (copy on write: a stray write never reaches the file)
+        memory.advise_huge_pages(pages)  # (copy on write: a stray write never reaches the file)
         storages = []
         for s in manifest["storages"]:
             offset, nbytes = s["offset"], s["nbytes"]
@@ -386,9 +380,11 @@ def make_room(directory: Path, need: int, source: str) -> bool:
     for old in directory.glob(f"{source}*.json"):
         remove(directory, old.stem)
     images = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime)
+    for tmp in directory.glob("*.json.*.tmp"):  # a manifest half written
+        if not alive(tmp.name.split(".")[-2]):
+            tmp.unlink(missing_ok=True)
     for data in directory.glob("*.bin"):
-        pid = data.stem.split("-")[1] if data.stem.count("-") == 2 else ""
-        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()) and not referenced(data, images):
+        if not alive(data.stem.split("-")[1] if data.stem.count("-") == 2 else "") and not referenced(data, images):
             data.unlink(missing_ok=True)
     size = lambda p: sum(d.stat().st_size for d in directory.glob(f"{p.stem}-*.bin"))  # noqa: E731
     total, cap = sum(size(p) for p in images), cap_bytes()
@@ -400,6 +396,10 @@ def make_room(directory: Path, need: int, source: str) -> bool:
         remove(directory, oldest.stem)
     disk = shutil.disk_usage(directory)
     return disk.free - need > max(4e9, 0.05 * disk.total)
+
+
+def alive(pid: str) -> bool:
+    return pid.isdigit() and Path(f"/proc/{pid}").exists()
 
 
 def referenced(data: Path, manifests: list[Path]) -> bool:
