@@ -131,8 +131,7 @@ def busy_throughput(records: list[RequestRecord]) -> float | None:
     which fewer users remain: with a few requests per user and uneven lengths, a large share of it."""
     ends: dict[int, float] = {}
     for r in records:
-        if r.user is not None:
-            ends[r.user] = max(ends.get(r.user, 0.0), r.sent_at + r.end_s)
+        ends[r.user] = max(ends.get(r.user, 0.0), r.sent_at + r.end_s)
     if len(ends) < 2:
         return None
     start, end = min(r.sent_at for r in records), min(ends.values())
