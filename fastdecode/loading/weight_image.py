@@ -358,10 +358,11 @@ def restore(directory: Path, key: str) -> tuple[dict | None, dict | None]:
         decoder = Decoder(tensors)
         state = {name: decoder.module(d, name) if "tensors" not in d else
                  {k: decoder.tensor(i) for k, i in d["tensors"].items()} for name, d in manifest["modules"].items()}
+        formats = {"kept": dict(manifest["formats"]["kept"]), "requantized": dict(manifest["formats"]["requantized"])}
     except (ImageError, OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
         raise ImageError(f"{manifest_path}: {e}") from None
     os.utime(manifest_path)  # least recently used goes first
-    return state, manifest["formats"]
+    return state, formats
 
 
 def remove(directory: Path, key: str) -> None:
@@ -384,7 +385,7 @@ def make_room(directory: Path, need: int, source: str) -> bool:
         if not alive(tmp.name.split(".")[-2]):
             tmp.unlink(missing_ok=True)
     for data in directory.glob("*.bin"):
-        if not alive(data.stem.split("-")[1] if data.stem.count("-") == 2 else "") and not referenced(data, images):
+        if not alive(data.stem.split("-")[1] if data.stem.count("-") == 2 else "") and not referenced(data):
             data.unlink(missing_ok=True)
     size = lambda p: sum(d.stat().st_size for d in directory.glob(f"{p.stem}-*.bin"))  # noqa: E731
     total, cap = sum(size(p) for p in images), cap_bytes()
@@ -402,14 +403,13 @@ def alive(pid: str) -> bool:
     return pid.isdigit() and Path(f"/proc/{pid}").exists()
 
 
-def referenced(data: Path, manifests: list[Path]) -> bool:
-    for m in manifests:
-        if m.stem == data.stem.split("-")[0]:
-            try:
-                return json.loads(m.read_bytes()[:MAX_MANIFEST]).get("data") == data.name
-            except (OSError, ValueError):
-                return False
-    return False
+def referenced(data: Path) -> bool:
+    """Whether the manifest of data's key names this file."""
+    try:
+        manifest = data.with_name(f"{data.stem.split('-')[0]}.json").read_bytes()[:MAX_MANIFEST]
+        return json.loads(manifest).get("data") == data.name
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class WeightImage:

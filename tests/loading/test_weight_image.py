@@ -141,6 +141,7 @@ CORRUPTIONS = {
     "a reference forward": lambda m: m["modules"].update({"lm_head": {"ref": "embed_tokens"}}),
     "another key": lambda m: m.update({"key": "0" * 32}),
     "a path as data": lambda m: m.update({"data": "../../etc/passwd"}),
+    "no formats": lambda m: m.pop("formats"),
 }
 
 
