@@ -11,7 +11,9 @@ alternate within each round, and the parent reads each child's peak resident mem
 pages that a memory-mapping engine touches count, as they do for the machine. fastdecode's first load of each file
 (no weight image yet: it packs the blocks and writes one, loading/weight_image.py) runs before the rounds and has
 its own column; in the rounds, both engines load from a warm page cache (llama.cpp maps the GGUF, fastdecode its
-image). Writes shapes.json (with the commit) and shapes.md into --out.
+image). "imports s" is each engine's Python imports (torch's ~1 s for fastdecode; the bindings for llama.cpp), paid
+once per process whatever it loads; "load s" is the model's load after them (`LLM(...)`, `Llama(...)`). Writes
+shapes.json (with the commit) and shapes.md into --out.
 """
 from __future__ import annotations
 
@@ -260,13 +262,14 @@ def child(engine: str, path: str, prompt_tokens: int, tokens: int, threads: int,
     if engine == "fastdecode":
         from fastdecode import LLM, SamplingParams
 
+        import_s, start = time.perf_counter() - start, time.perf_counter()
         llm = LLM(path, threads=threads, max_seq_len=max_seq_len, speculate="none")
         load_s = time.perf_counter() - start
         c = llm.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
         llm.close()  # else the process aborts at exit ("terminate called without an active exception", rc 134)
         t = c.timings
-        return {"load_s": load_s, "prefill_tok_s": t.prefill_tok_s, "decode_tok_s": t.output_tok_s,
-                "tokens": c.token_ids, "decode_path": llm.decode_path}
+        return {"import_s": import_s, "load_s": load_s, "prefill_tok_s": t.prefill_tok_s,
+                "decode_tok_s": t.output_tok_s, "tokens": c.token_ids, "decode_path": llm.decode_path}
     import llama_cpp
     from llama_cpp import Llama
 
@@ -274,6 +277,7 @@ def child(engine: str, path: str, prompt_tokens: int, tokens: int, threads: int,
 
     if "AMX" in llama_cpp.llama_print_system_info().decode(errors="replace"):
         no_extra_bufts(llama_cpp.llama_cpp)
+    import_s, start = time.perf_counter() - start, time.perf_counter()
     llm = Llama(model_path=path, n_ctx=max_seq_len, n_threads=threads, n_threads_batch=threads, seed=0,
                 verbose=False)
     load_s = time.perf_counter() - start
@@ -285,8 +289,8 @@ def child(engine: str, path: str, prompt_tokens: int, tokens: int, threads: int,
         if len(out) == tokens:
             break
     r = timed(out, len(prompt), start, times)
-    return {"load_s": load_s, "prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"], "tokens": out,
-            "version": llama_cpp.__version__}
+    return {"import_s": import_s, "load_s": load_s, "prefill_tok_s": r["prefill_tok_s"],
+            "decode_tok_s": r["decode_tok_s"], "tokens": out, "version": llama_cpp.__version__}
 
 
 def measure(engine: str, path: Path, args) -> dict:
@@ -326,7 +330,7 @@ def summarize(results: dict, files: dict, engines: list[str], first_loads: dict)
             if engine == "fastdecode":
                 row["first_load"] = first_loads[(name, qtype)]
                 row["first_load_s"] = first_loads[(name, qtype)].get("load_s")
-            for key in ("load_s", "prefill_tok_s", "decode_tok_s", "peak_rss_bytes"):
+            for key in ("import_s", "load_s", "prefill_tok_s", "decode_tok_s", "peak_rss_bytes"):
                 row[key] = stats([r[key] for r in runs if r.get(key) is not None])
             peak = row["peak_rss_bytes"]["median"]
             row["peak_rss_over_file"] = peak / size if peak else None
@@ -341,11 +345,11 @@ def summarize(results: dict, files: dict, engines: list[str], first_loads: dict)
 def render(rows: list[dict]) -> str:
     gb = lambda s: {k: (v / 1e9 if isinstance(v, (int, float)) else v) for k, v in s.items()}  # noqa: E731
     table = [[r["shape"], r["type"], f"{r['file_bytes'] / 1e9:.2f}", r["engine"],
-              fmt(r.get("first_load_s"), ".1f"), fmt_range(r["load_s"]),
+              fmt_range(r["import_s"], ".2f"), fmt(r.get("first_load_s"), ".1f"), fmt_range(r["load_s"], ".2f"),
               fmt_range(gb(r["peak_rss_bytes"]), ".2f"), fmt(r["peak_rss_over_file"], ".2f"),
               fmt_range(r["prefill_tok_s"]), fmt_range(r["decode_tok_s"], ".2f"),
               fmt(r.get("decode_vs_llama_cpp"), ".2f")] for r in rows]
-    return markdown_table(["shape", "type", "file GB", "engine", "first load s", "load s", "peak RSS GB",
+    return markdown_table(["shape", "type", "file GB", "engine", "imports s", "first load s", "load s", "peak RSS GB",
                            "RSS / file", "prefill tok/s", "decode tok/s", "decode vs llama.cpp"], table)
 
 

@@ -9,6 +9,7 @@ is broken, so a build killed mid-way cannot make later starts wait forever.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import socket
@@ -36,6 +37,7 @@ ISA_FLAGS = {
                             "-mamx-tile", "-mamx-int8"],
 }
 LDFLAGS = ["-fopenmp"]
+BUILT = "built"  # written once a build has finished: a later start imports its module without torch's builder
 STALE_LOCK_S = 30 * 60  # a build takes 30-90 s on 2 cores; a lock this old belongs to a build that died
 POLL_S = 0.5
 
@@ -83,15 +85,21 @@ def build(name: str, sources: list[Path], fallback: str, isa: str = "avx2"):
     try:
         if not native_enabled():
             raise NativeBuildError("native kernels are off (FASTDECODE_NATIVE_KERNELS=0) or the CPU lacks AVX2")
-        from torch.utils.cpp_extension import load
-
         from fastdecode.loading.catalog import fastdecode_home
 
         flags, module = ISA_FLAGS[isa], f"{name}_{isa}"
         directory = private_dir(fastdecode_home() / "kernels" / f"{module}-{build_key(sources, flags + LDFLAGS)}")
+        if (directory / BUILT).is_file() and (directory / f"{module}.so").is_file():  # the key names these sources
+            # and this toolchain: nothing to check
+            return import_built(module, directory)
+        from torch.utils.cpp_extension import load  # 0.13 s to import, and a ninja run: only where we build
+
         with build_lock(directory):
-            return load(module, [str(s) for s in sources], extra_cflags=flags, extra_ldflags=LDFLAGS,
-                        build_directory=str(directory))
+            # copies: load() appends torch's own flags to the lists it is given, which changed the next key
+            built = load(module, [str(s) for s in sources], extra_cflags=list(flags), extra_ldflags=list(LDFLAGS),
+                         build_directory=str(directory))
+            (directory / BUILT).touch()
+            return built
     except Exception as e:  # no compiler, no ninja, a compile error, an unsafe folder: PyTorch's kernels still work
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if native_required():
@@ -99,6 +107,14 @@ def build(name: str, sources: list[Path], fallback: str, isa: str = "avx2"):
         if native_enabled():
             log.warning("fastdecode: %s unavailable, %s (%s)", name, fallback, reason)
         return None
+
+
+def import_built(module: str, directory: Path):
+    """The module a finished build left in `directory`, imported as torch's load() imports it."""
+    spec = importlib.util.spec_from_file_location(module, directory / f"{module}.so")
+    built = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(built)
+    return built
 
 
 def build_key(sources: list[Path], flags: list[str]) -> str:

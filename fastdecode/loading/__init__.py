@@ -97,10 +97,10 @@ def skip_init(dtype: torch.dtype):
 
 
 def load_tokenizer(path):
-    from fastdecode.loading.gguf_file import GGUFFile
+    from fastdecode.loading.gguf_file import read_gguf
     from fastdecode.loading.tokenizer import Tokenizer
 
     path = Path(path)
     if path.is_dir():
         return Tokenizer.from_hf_dir(path)
-    return Tokenizer.from_gguf(GGUFFile(path).metadata)
+    return Tokenizer.from_gguf(read_gguf(path).metadata)

@@ -8,8 +8,10 @@ hostile file fails with ModelFileError rather than a traceback, a long loop or a
 """
 from __future__ import annotations
 
+import functools
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,3 +170,19 @@ class GGUFFile:
                 raise ValueError(f"tensor {name!r} lies outside the file's aligned data")
             tensors[name] = GGUFTensor(name, tuple(reversed(dims)), qtype, self.mm[start:start + n_bytes])
         return metadata, tensors
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """The parsed file at `path`. The last one parsed is kept (its header, and a mapping that holds no memory of its
+    own), so that the weights' loader and the tokenizer of one model parse its 150k-string vocabulary once; a file
+    replaced or rewritten since is parsed again."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ModelFileError(f"cannot read GGUF file {path}: {e}") from None
+    return _parsed(Path(path).resolve(), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed(path: Path, identity: tuple) -> GGUFFile:
+    return GGUFFile(path)

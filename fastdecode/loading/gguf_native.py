@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType as QType
 from torch import nn
 
 from fastdecode.errors import ModelFileError
-from fastdecode.loading.gguf_file import GGUFFile
+from fastdecode.loading.gguf_file import GGUFFile, read_gguf
 from fastdecode.loading.gguf_loader import (GLOBAL_NAMES, block_tensors, dequantize_tensor, float_tensor, gguf_config,
                                             hf_name, permuted_heads)
 from fastdecode.loading.gguf_moe import expert_tensors
@@ -58,7 +58,7 @@ def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, ba
     """`progress` wraps an iterable (of module names); `backend` forces the quant modules' (tests)."""
     from fastdecode.loading import check_parameter_count
 
-    f = GGUFFile(path)
+    f = read_gguf(path)
     config = gguf_config(f)
     model = check_parameter_count(config, [math.prod(t.shape) for t in f.tensors.values()], f.path, dtype)
     # what the loader does to each module: replaces it (a matrix, the embedding) or sets its tensors (norms)

@@ -220,11 +220,13 @@ def _integer(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _list_of(*types):  # set(map(type, ...)) runs in C: 3 ms for a 150k vocabulary, against 30 for a Python loop
+    return lambda v: isinstance(v, list) and set(map(type, v)) <= set(types)
+
+
 VALUE_KINDS = {"a string": lambda v: isinstance(v, str), "an integer": _integer,
-               "a boolean": lambda v: isinstance(v, bool),
-               "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-               "a list of integers": lambda v: isinstance(v, list) and all(map(_integer, v)),
-               "a list of numbers": lambda v: isinstance(v, list) and all(_integer(x) or type(x) is float for x in v)}
+               "a boolean": lambda v: isinstance(v, bool), "a list of strings": _list_of(str),
+               "a list of integers": _list_of(int), "a list of numbers": _list_of(int, float)}
 # The tokenizer keys of a GGUF file and the kind of value each must hold (a hostile file may give any key any type).
 GGUF_TOKENIZER_KEYS = {
     "tokenizer.ggml.model": "a string", "tokenizer.ggml.pre": "a string", "tokenizer.ggml.tokens": "a list of strings",
@@ -264,7 +266,7 @@ def byte_level_backend(tokens: list[str], merges: list[str] | None, pre: str):
     if not spelled("".join(tokens)):  # rare: a few tokens stored as raw text
         byte_char = bytes_to_unicode()
         tokens = [t if spelled(t) else "".join(byte_char[b] for b in t.encode()) for t in tokens]
-    backend = bpe_backend({t: i for i, t in enumerate(tokens)}, split_merges(merges))
+    backend = bpe_backend(dict(zip(tokens, range(len(tokens)))), split_merges(merges))
     if pre in DIGIT_SPLIT_PRES:
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                          pre_tokenizers.ByteLevel(add_prefix_space=False)])
@@ -283,7 +285,7 @@ def sentencepiece_backend(tokens: list[str], scores, merges, architecture: str, 
     gemma = architecture.startswith("gemma")
     if gemma:  # Gemma stores its runs-of-spaces tokens with real spaces; the merges need them spelled with `▁`
         tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
-    vocab = {t: i for i, t in enumerate(tokens)}
+    vocab = dict(zip(tokens, range(len(tokens))))
     if merges:
         merges = split_merges(merges)
     else:
@@ -387,7 +389,7 @@ def bpe_backend(vocab: dict, merges: list, **options) -> Backend:
 
 
 def split_merges(merges: list[str]) -> list[tuple[str, str]]:
-    pairs = [tuple(m.split(" ")) for m in merges]
+    pairs = [tuple(m.split(" ", 2)) for m in merges]
     if any(len(p) != 2 for p in pairs):
         raise ModelFileError("GGUF tokenizer.ggml.merges has an entry that is not two tokens separated by a space")
     return pairs

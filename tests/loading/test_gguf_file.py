@@ -12,7 +12,7 @@ from gguf import GGML_QUANT_SIZES
 
 from fastdecode.errors import FastdecodeError, ModelFileError
 from fastdecode.loading import load_model
-from fastdecode.loading.gguf_file import GGUFFile
+from fastdecode.loading.gguf_file import GGUFFile, read_gguf
 from tests.helpers.checkpoints import checkpoint
 
 U32, STRING, ARRAY = 4, 8, 9
@@ -47,6 +47,17 @@ ONE_TENSOR = [("w", [4, 2], F32, 0)]
 def test_a_well_formed_file_parses(tmp_path):
     f = parse(tmp_path, gguf_bytes([("general.alignment", U32, struct.pack("<I", 32))], ONE_TENSOR))
     assert f.tensors["w"].shape == (2, 4) and f.tensors["w"].data.nbytes == 32
+
+
+def test_read_gguf_parses_a_file_once_and_again_once_it_changes(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(gguf_bytes([("general.alignment", U32, struct.pack("<I", 32))], ONE_TENSOR))
+    first = read_gguf(path)
+    assert read_gguf(path) is first and read_gguf(tmp_path / "." / "model.gguf") is first
+    path.write_bytes(gguf_bytes([("general.alignment", U32, struct.pack("<I", 64))], ONE_TENSOR))  # rewritten
+    assert read_gguf(path).metadata["general.alignment"] == 64
+    with pytest.raises(ModelFileError, match="cannot read GGUF file"):
+        read_gguf(tmp_path / "missing.gguf")
 
 
 @pytest.mark.parametrize("alignment", [0, 3, 2**31 + 1])
