@@ -267,7 +267,8 @@ def worker(conn, engine, fmt, model, threads, max_seq_len, source=None):
 # ---- what each engine reads per token, and the roofline ----------------------------------------------------------
 def gguf_info(model: str) -> dict:
     """Tensor bytes one llama.cpp decode step reads: every tensor, except that an untied embedding table is read one
-    row at a time (a tied one is also the LM head, read whole); plus the GGUF's main weight type."""
+    row at a time (a tied one is also the LM head, read whole) and a mixture-of-experts layer's stacked experts only
+    for the experts a token uses; plus the GGUF's main weight type."""
     from collections import Counter
 
     from fastdecode.loading.catalog import resolve
@@ -280,6 +281,10 @@ def gguf_info(model: str) -> dict:
         total -= embed.data.nbytes - embed.data.nbytes // embed.shape[0]
     c = g.metadata
     arch = c["general.architecture"]
+    experts, used = c.get(f"{arch}.expert_count"), c.get(f"{arch}.expert_used_count")
+    if experts and used:
+        routed = sum(t.data.nbytes for t in g.tensors.values() if "_exps." in t.name)
+        total -= routed - routed * used // experts
     heads, kv_heads = c[f"{arch}.attention.head_count"], c.get(f"{arch}.attention.head_count_kv")
     head_dim = c.get(f"{arch}.attention.key_length") or c[f"{arch}.embedding_length"] // heads
     kv = 2 * c[f"{arch}.block_count"] * (kv_heads or heads) * head_dim * 2  # llama.cpp's default f16 KV cache

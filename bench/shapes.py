@@ -3,6 +3,7 @@
     .venv/bin/python bench/shapes.py                      # Qwen2.5-Coder-1.5B and Llama-3.1-8B shapes, Q4_0 and Q8_0
     .venv/bin/python bench/shapes.py --shapes qwen2.5-coder-1.5b --types Q4_0 --runs 1   # a smoke run
     .venv/bin/python bench/shapes.py --shapes gpt-oss-20b --types MXFP4     # MXFP4 experts, Q8_0 for the rest
+    .venv/bin/python bench/shapes.py --shapes '' --files gemma3-270m        # a real file as it is
 
 Decode speed depends on shapes and bytes, not on values, so the files hold random blocks (random codes, scales that
 give weights a std of about 0.02) in the real tensor shapes, with SmolLM2's tokenizer padded to the real vocabulary
@@ -11,7 +12,8 @@ alternate within each round, and the parent reads each child's peak resident mem
 pages that a memory-mapping engine touches count, as they do for the machine. fastdecode's first load of each file
 (no weight image yet: it packs the blocks and writes one, loading/weight_image.py) runs before the rounds and has
 its own column; in the rounds, both engines load from a warm page cache (llama.cpp maps the GGUF, fastdecode its
-image). "imports s" is each engine's Python imports (torch's ~1 s for fastdecode; the bindings for llama.cpp), paid
+image). The roofline is the bandwidth probed before and after the rounds (the faster, at the decode's working set)
+over the bytes a decode step reads (decode.py's gguf_info). "imports s" is each engine's Python imports (torch's ~1 s for fastdecode; the bindings for llama.cpp), paid
 once per process whatever it loads; "load s" is the model's load after them (`LLM(...)`, `Llama(...)`). Writes
 shapes.json (with the commit) and shapes.md into --out.
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from common import command_line, fmt, fmt_range, git_state, machine, markdown_table, stats, write_json
+from decode import bandwidth, bytes_per_token, gguf_info, probe_size
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,18 @@ def write_shape(path: Path, s: Shape, file_type: str, seed: int = 0):
     tmp.rename(path)
 
 
+def file_type(path: Path) -> str:
+    """A GGUF's file type as people name it (Q4_K_M), from its header."""
+    from gguf import LlamaFileType
+
+    from fastdecode.loading.gguf_file import read_gguf
+
+    try:
+        return LlamaFileType(read_gguf(path).metadata.get("general.file_type", -1)).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return gguf_info(str(path))["format"]
+
+
 def shape_file(name: str, qtype: str, log) -> Path:
     from fastdecode.loading.catalog import fastdecode_home
 
@@ -319,10 +334,13 @@ def llama_cpp_installed() -> bool:
         return False
 
 
-def summarize(results: dict, files: dict, engines: list[str], first_loads: dict) -> list[dict]:
+def summarize(results: dict, files: dict, engines: list[str], first_loads: dict, reads: dict,
+              probes: list[dict]) -> list[dict]:
     rows = []
     for (name, qtype), by_engine in results.items():
         size = files[(name, qtype)].stat().st_size
+        read = reads[(name, qtype)]  # bytes a decode step reads; the ceiling is the bandwidth at that working set
+        roofline = max(p["working_sets"][probe_size(read)] for p in probes) * 1e9 / read
         for engine in engines:
             runs = [r for r in by_engine[engine] if "error" not in r]
             row = {"shape": name, "type": qtype, "engine": engine, "file_bytes": size, "runs": by_engine[engine],
@@ -334,6 +352,8 @@ def summarize(results: dict, files: dict, engines: list[str], first_loads: dict)
                 row[key] = stats([r[key] for r in runs if r.get(key) is not None])
             peak = row["peak_rss_bytes"]["median"]
             row["peak_rss_over_file"] = peak / size if peak else None
+            row.update(bytes_per_token=read, roofline_tok_s=roofline, roofline_pct=(
+                100 * row["decode_tok_s"]["median"] / roofline if row["decode_tok_s"]["median"] else None))
             rows.append(row)
         ours = next(r for r in rows[-len(engines):] if r["engine"] == "fastdecode")
         peer = next((r for r in rows[-len(engines):] if r["engine"] == "llama.cpp"), None)
@@ -348,15 +368,19 @@ def render(rows: list[dict]) -> str:
               fmt_range(r["import_s"], ".2f"), fmt(r.get("first_load_s"), ".1f"), fmt_range(r["load_s"], ".2f"),
               fmt_range(gb(r["peak_rss_bytes"]), ".2f"), fmt(r["peak_rss_over_file"], ".2f"),
               fmt_range(r["prefill_tok_s"]), fmt_range(r["decode_tok_s"], ".2f"),
-              fmt(r.get("decode_vs_llama_cpp"), ".2f")] for r in rows]
+              fmt(r.get("decode_vs_llama_cpp"), ".2f"), fmt(r["roofline_tok_s"], ".2f"),
+              fmt(r["roofline_pct"], ".0f")] for r in rows]
     return markdown_table(["shape", "type", "file GB", "engine", "imports s", "first load s", "load s", "peak RSS GB",
-                           "RSS / file", "prefill tok/s", "decode tok/s", "decode vs llama.cpp"], table)
+                           "RSS / file", "prefill tok/s", "decode tok/s", "decode vs llama.cpp", "roofline tok/s",
+                           "% roofline"], table)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="qwen2.5-coder-1.5b,llama-3.1-8b", help=f"of {', '.join(SHAPES)}")
     p.add_argument("--types", default="Q4_0,Q8_0", help=f"of {', '.join(FILE_TYPES)}")
+    p.add_argument("--files", default="", help="real GGUF files, run as they are (a registered name or a path: "
+                   "gemma3-270m)")
     p.add_argument("--runs", type=int, default=3, help="rounds; within each, every engine runs every file once")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded per run")
@@ -371,9 +395,20 @@ def main(argv=None):
         return
     engines = ["fastdecode"] + [e for e in args.peers.split(",") if e == "llama.cpp" and llama_cpp_installed()]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    configs = [(s, t) for s in args.shapes.split(",") for t in args.types.split(",")]
+    configs = [(s, t) for s in filter(None, args.shapes.split(",")) for t in args.types.split(",")]
     files = {c: shape_file(*c, log) for c in configs}
+    for name in filter(None, args.files.split(",")):
+        from fastdecode.loading.catalog import resolve
+
+        path = Path(resolve(name))
+        c = (name, file_type(path))
+        configs.append(c)
+        files[c] = path
     results = {c: {e: [] for e in engines} for c in configs}
+    # weights read per token plus the f16 KV cache at the timed decode's mean context (both engines' default KV type)
+    reads = {c: bytes_per_token({"engine": "llama.cpp"}, gguf_info(str(files[c])), args.prompt_tokens, args.tokens)
+             for c in configs}
+    probes = [bandwidth(args.threads, list(reads.values()))]
     first_loads = {}
     for c in configs:  # fastdecode's first load packs the file's blocks into its weight image; every later one maps it
         first_loads[c] = measure("fastdecode-first", files[c], args)
@@ -389,11 +424,12 @@ def main(argv=None):
                     + f", peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB" + (f", error {r['error']}" if "error" in r
                                                                           else ""))
                 results[c][engine].append(r)
-    rows = summarize(results, files, engines, first_loads)
+    probes.append(bandwidth(args.threads, list(reads.values())))  # the faster of before and after the rounds
+    rows = summarize(results, files, engines, first_loads, reads, probes)
     commit, dirty = git_state().values()
     table = render(rows)
     report = {"command": command_line(), "machine": machine(), "args": {
-        k: str(v) for k, v in vars(args).items() if k != "child"}, "rows": rows}
+        k: str(v) for k, v in vars(args).items() if k != "child"}, "bandwidth_probes": probes, "rows": rows}
     write_json(args.out / "shapes.json", report)
     (args.out / "shapes.md").write_text(f"# bench/shapes.py at {commit[:10]}{' (dirty)' if dirty else ''}\n\n"
                                         f"`{command_line()}`\n\n{table}\n")
