@@ -308,6 +308,33 @@ def child(engine: str, path: str, prompt_tokens: int, tokens: int, threads: int,
             "decode_tok_s": r["decode_tok_s"], "tokens": out, "version": llama_cpp.__version__}
 
 
+def in_child(*argv, args=None) -> dict:
+    """This script's answer to `argv`, from a child process. The parent keeps its memory small (it neither probes
+    with GB-sized buffers nor parses a vocabulary): Linux carries a process's peak resident memory across fork and
+    exec, so every measured child would report the parent's as its own."""
+    extra = [] if args is None else ["--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens),
+                                     "--tokens", str(args.tokens)]
+    out = subprocess.run([sys.executable, __file__, *map(str, argv), *extra], capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def probe_bandwidth(threads: int, sizes: list[int]) -> dict:
+    probe = in_child("--probe", ",".join(map(str, sizes)), "--threads", threads)
+    probe["working_sets"] = {int(k): v for k, v in probe["working_sets"].items()}  # JSON made the sizes strings
+    return probe
+
+
+def describe(name: str, prompt_tokens: int, tokens: int) -> dict:
+    """A GGUF (a path or a registered name): its path, file type, and the bytes a decode step reads (the weights,
+    and the f16 KV cache, both engines' default, at the timed decode's mean context)."""
+    from fastdecode.loading.catalog import resolve
+
+    path = Path(resolve(name))
+    return {"path": str(path), "file_type": file_type(path),
+            "read": bytes_per_token({"engine": "llama.cpp"}, gguf_info(str(path)), prompt_tokens, tokens)}
+
+
 def measure(engine: str, path: Path, args) -> dict:
     """One fresh process: its result and its peak resident memory."""
     cmd = [sys.executable, __file__, "--child", engine, str(path), "--prompt-tokens", str(args.prompt_tokens),
@@ -389,26 +416,30 @@ def main(argv=None):
     p.add_argument("--peers", default="llama.cpp", help="'' for fastdecode alone")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--child", nargs=2, metavar=("ENGINE", "PATH"), help=argparse.SUPPRESS)
+    p.add_argument("--probe", help=argparse.SUPPRESS)
+    p.add_argument("--describe", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child, args.prompt_tokens, args.tokens, args.threads, args.max_seq_len)))
+        return
+    if args.probe:
+        print(json.dumps(bandwidth(args.threads, [int(s) for s in args.probe.split(",")])))
+        return
+    if args.describe:
+        print(json.dumps(describe(args.describe, args.prompt_tokens, args.tokens)))
         return
     engines = ["fastdecode"] + [e for e in args.peers.split(",") if e == "llama.cpp" and llama_cpp_installed()]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     configs = [(s, t) for s in filter(None, args.shapes.split(",")) for t in args.types.split(",")]
     files = {c: shape_file(*c, log) for c in configs}
+    reads = {c: in_child("--describe", files[c], args=args)["read"] for c in configs}
     for name in filter(None, args.files.split(",")):
-        from fastdecode.loading.catalog import resolve
-
-        path = Path(resolve(name))
-        c = (name, file_type(path))
+        about = in_child("--describe", name, args=args)
+        c = (name, about["file_type"])
         configs.append(c)
-        files[c] = path
+        files[c], reads[c] = Path(about["path"]), about["read"]
     results = {c: {e: [] for e in engines} for c in configs}
-    # weights read per token plus the f16 KV cache at the timed decode's mean context (both engines' default KV type)
-    reads = {c: bytes_per_token({"engine": "llama.cpp"}, gguf_info(str(files[c])), args.prompt_tokens, args.tokens)
-             for c in configs}
-    probes = [bandwidth(args.threads, list(reads.values()))]
+    probes = [probe_bandwidth(args.threads, list(reads.values()))]
     first_loads = {}
     for c in configs:  # fastdecode's first load packs the file's blocks into its weight image; every later one maps it
         first_loads[c] = measure("fastdecode-first", files[c], args)
@@ -424,7 +455,7 @@ def main(argv=None):
                     + f", peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB" + (f", error {r['error']}" if "error" in r
                                                                           else ""))
                 results[c][engine].append(r)
-    probes.append(bandwidth(args.threads, list(reads.values())))  # the faster of before and after the rounds
+    probes.append(probe_bandwidth(args.threads, list(reads.values())))  # the faster of before and after the rounds
     rows = summarize(results, files, engines, first_loads, reads, probes)
     commit, dirty = git_state().values()
     table = render(rows)
