@@ -99,6 +99,9 @@ class LLM:
         self.model = load(self.path, DTYPES[dtype], progress, quant)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
+        from fastdecode.loading.gguf_file import forget_parsed  # (it imports gguf: not at `import fastdecode`)
+
+        forget_parsed()  # the loader and the tokenizer shared one parse of a GGUF's header
         if quant not in (None, "gguf"):  # "gguf" is the loaded format itself
             from fastdecode.quant import quantize_model
             quantize_model(self.model, quant, group_size=group_size)

@@ -174,8 +174,8 @@ class GGUFFile:
 
 def read_gguf(path: str | Path) -> GGUFFile:
     """The parsed file at `path`. The last one parsed is kept (its header, and a mapping that holds no memory of its
-    own), so that the weights' loader and the tokenizer of one model parse its 150k-string vocabulary once; a file
-    replaced or rewritten since is parsed again."""
+    own) until forget_parsed(), so that the weights' loader and the tokenizer of one model parse its 150k-string
+    vocabulary once; a file replaced or rewritten since is parsed again."""
     try:
         st = os.stat(path)
     except OSError as e:
@@ -186,3 +186,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
 @functools.lru_cache(maxsize=1)
 def _parsed(path: Path, identity: tuple) -> GGUFFile:
     return GGUFFile(path)
+
+
+def forget_parsed():
+    """Drops the kept parse (a 262k vocabulary's strings are tens of MB) once a model has loaded."""
+    _parsed.cache_clear()

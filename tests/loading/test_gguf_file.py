@@ -12,7 +12,7 @@ from gguf import GGML_QUANT_SIZES
 
 from fastdecode.errors import FastdecodeError, ModelFileError
 from fastdecode.loading import load_model
-from fastdecode.loading.gguf_file import GGUFFile, read_gguf
+from fastdecode.loading.gguf_file import GGUFFile, forget_parsed, read_gguf
 from tests.helpers.checkpoints import checkpoint
 
 U32, STRING, ARRAY = 4, 8, 9
@@ -56,6 +56,9 @@ def test_read_gguf_parses_a_file_once_and_again_once_it_changes(tmp_path):
     assert read_gguf(path) is first and read_gguf(tmp_path / "." / "model.gguf") is first
     path.write_bytes(gguf_bytes([("general.alignment", U32, struct.pack("<I", 64))], ONE_TENSOR))  # rewritten
     assert read_gguf(path).metadata["general.alignment"] == 64
+    kept = read_gguf(path)
+    forget_parsed()
+    assert read_gguf(path) is not kept
     with pytest.raises(ModelFileError, match="cannot read GGUF file"):
         read_gguf(tmp_path / "missing.gguf")
 
