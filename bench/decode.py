@@ -272,9 +272,9 @@ def gguf_info(model: str) -> dict:
     from collections import Counter
 
     from fastdecode.loading.catalog import resolve
-    from fastdecode.loading.gguf_file import GGUFFile
+    from fastdecode.loading.gguf_file import read_gguf
 
-    g = GGUFFile(resolve(model))
+    g = read_gguf(resolve(model))  # shapes.py reads the same header for its file type
     total = sum(t.data.nbytes for t in g.tensors.values())
     embed = g.tensors.get("token_embd.weight")
     if embed is not None and "output.weight" in g.tensors:

@@ -13,9 +13,9 @@ pages that a memory-mapping engine touches count, as they do for the machine. fa
 (no weight image yet: it packs the blocks and writes one, loading/weight_image.py) runs before the rounds and has
 its own column; in the rounds, both engines load from a warm page cache (llama.cpp maps the GGUF, fastdecode its
 image). The roofline is the bandwidth probed before and after the rounds (the faster, at the decode's working set)
-over the bytes a decode step reads (decode.py's gguf_info). "imports s" is each engine's Python imports (torch's ~1 s for fastdecode; the bindings for llama.cpp), paid
-once per process whatever it loads; "load s" is the model's load after them (`LLM(...)`, `Llama(...)`). Writes
-shapes.json (with the commit) and shapes.md into --out.
+over the bytes a decode step reads (decode.py's gguf_info). "imports s" is each engine's Python imports (torch's
+~1 s for fastdecode; the bindings for llama.cpp), paid once per process whatever it loads; "load s" is the model's
+load after them (`LLM(...)`, `Llama(...)`). Writes shapes.json (with the commit) and shapes.md into --out.
 """
 from __future__ import annotations
 
@@ -238,8 +238,8 @@ def write_shape(path: Path, s: Shape, file_type: str, seed: int = 0):
     tmp.rename(path)
 
 
-def file_type(path: Path) -> str:
-    """A GGUF's file type as people name it (Q4_K_M), from its header."""
+def file_type(path: Path) -> str | None:
+    """A GGUF's file type as people name it (Q4_K_M), from its header; None where it names none we know."""
     from gguf import LlamaFileType
 
     from fastdecode.loading.gguf_file import read_gguf
@@ -247,7 +247,7 @@ def file_type(path: Path) -> str:
     try:
         return LlamaFileType(read_gguf(path).metadata.get("general.file_type", -1)).name.removeprefix("MOSTLY_")
     except ValueError:
-        return gguf_info(str(path))["format"]
+        return None
 
 
 def shape_file(name: str, qtype: str, log) -> Path:
@@ -331,8 +331,9 @@ def describe(name: str, prompt_tokens: int, tokens: int) -> dict:
     from fastdecode.loading.catalog import resolve
 
     path = Path(resolve(name))
-    return {"path": str(path), "file_type": file_type(path),
-            "read": bytes_per_token({"engine": "llama.cpp"}, gguf_info(str(path)), prompt_tokens, tokens)}
+    info = gguf_info(str(path))
+    return {"path": str(path), "file_type": file_type(path) or info["format"],
+            "read": bytes_per_token({"engine": "llama.cpp"}, info, prompt_tokens, tokens)}
 
 
 def measure(engine: str, path: Path, args) -> dict:

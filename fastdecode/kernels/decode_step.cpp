@@ -209,6 +209,7 @@ void scores(const float* const* q, const KV* k, Slot slot, int64_t n, int64_t hd
   }
 }
 
+// The largest of a vector's 8 lanes.
 inline float hmax(__m256 v) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));

@@ -89,8 +89,8 @@ def build(name: str, sources: list[Path], fallback: str, isa: str = "avx2"):
 
         flags, module = ISA_FLAGS[isa], f"{name}_{isa}"
         directory = private_dir(fastdecode_home() / "kernels" / f"{module}-{build_key(sources, flags + LDFLAGS)}")
-        if (directory / BUILT).is_file() and (directory / f"{module}.so").is_file():  # the key names these sources
-            # and this toolchain: nothing to check
+        # The key names these sources and this toolchain, so a finished build there has nothing left to check.
+        if (directory / BUILT).is_file() and (directory / f"{module}.so").is_file():
             return import_built(module, directory)
         from torch.utils.cpp_extension import load  # 0.13 s to import, and a ninja run: only where we build
 
