@@ -14,8 +14,9 @@ from tokenizers.models import BPE
 
 from fastdecode.errors import InvalidRequestError, ModelFileError, UnsupportedModelError
 from fastdecode.loading.gguf_file import GGUFFile
+from fastdecode.loading import tokenizer as tokenizer_module
 from fastdecode.loading.tokenizer import (GEMMA_TEMPLATE, Tokenizer, bytes_to_unicode, derive_merges, exact_splits,
-                                          order_merges)
+                                          implied_merges, merge_pieces, order_merges)
 
 
 BASE = [
@@ -288,7 +289,33 @@ def test_derived_merges_match_transformers_generate_merges():
 def test_vectorised_splits_equal_plain_loop_on_a_real_vocabulary(smollm2_path):
     tokens = list(dict.fromkeys(GGUFFile(smollm2_path).metadata["tokenizer.ggml.tokens"]))
     priority = -np.arange(len(tokens), dtype=np.float64)
-    assert derive_merges(tokens, priority) == order_merges(tokens, priority, *exact_splits(tokens))
+    assert np.array_equal(merge_pieces(tokens, priority), order_merges(tokens, priority, *exact_splits(tokens)))
+
+
+def test_implied_merges_are_kept_by_vocabulary_and_a_bad_kept_file_is_derived_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTDECODE_HOME", str(tmp_path))
+    tokens = ["a", "b", "c", "ab", "bc", "abc", "ca", "cab"]
+    priority = -np.arange(len(tokens), dtype=np.float64)
+    want, reverse = derive_merges(tokens, priority), derive_merges(tokens, priority[::-1].copy())
+    assert implied_merges(tokens, priority) == want
+    [kept] = (tmp_path / "tokenizers").iterdir()
+    derived = []
+    monkeypatch.setattr(tokenizer_module, "merge_pieces",
+                        lambda *a: derived.append(1) or merge_pieces(*a))
+    assert implied_merges(tokens, priority) == want and derived == []  # read back, not derived
+    # other priorities: another file, other merges
+    assert implied_merges(tokens, priority[::-1].copy()) == reverse != want and derived == [1]
+    for bad in (b"not an array", np.array([[0, 99], [1, 2]], np.int32), np.zeros((3, 2), np.int64)):
+        if isinstance(bad, bytes):
+            kept.write_bytes(bad)
+        else:
+            np.save(kept, bad)
+        assert implied_merges(tokens, priority) == want  # an index past the vocabulary, a wrong shape or dtype
+    assert len(derived) == 4 and read_back(kept).shape == (2, len(want))
+
+
+def read_back(path):
+    return np.load(path, allow_pickle=False)
 
 
 def test_harmony_replies_end_at_return_or_call_not_at_each_messages_end(tiny):
