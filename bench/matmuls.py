@@ -96,13 +96,24 @@ def module(cls, **kw):
     return make
 
 
-def q8_0(w):
+def q8_0_module(w):
     """w as a GGUF's Q8_0 tensor loads (int8 values, fp16 scale per 32, no offsets): pair tiles, int8 activations."""
     g = w.reshape(w.shape[0], -1, 32)
     d = (g.abs().amax(-1) / 127).half()
     q = (g / d.float().clamp(min=1e-12)[..., None]).round().clamp(-127, 127).to(torch.int8)
-    m = int8.Int8Linear.from_tensors({"qweight": q, "scales": d}, None, "native")
+    return int8.Int8Linear.from_tensors({"qweight": q, "scales": d}, None, "native")
+
+
+def q8_0(w):
+    m = q8_0_module(w)
     return m, m.weight_bytes()
+
+
+def baseline_q8_0(ops):
+    def make(w):
+        m = q8_0_module(w)
+        return (lambda x: getattr(ops, m.native_op)(x, m.qweight, m.bias)), m.weight_bytes()
+    return make
 
 
 def baseline_op(cls, ops, **kw):
@@ -126,6 +137,7 @@ def candidates(baseline: str = ""):
             ops = native_kernels_at(baseline)
             c[f"native_int8@{baseline}"] = baseline_op(int8.Int8Linear, ops, backend="native")
             c[f"native_int4_g32@{baseline}"] = baseline_op(int4.Int4Linear, ops, backend="native", group_size=32)
+            c[f"native_q8_0@{baseline}"] = baseline_q8_0(ops)
     return c
 
 

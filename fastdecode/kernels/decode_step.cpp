@@ -174,15 +174,33 @@ inline float hsum1(vecf a) {
   return _mm_cvtss_f32(hsum4(h, h, h, h));
 }
 
+// What a run of keys asks memory for while its scores are computed, a few lines per key rather than a block at once
+// (a block's 64 or more prefetches at once filled the line-fill buffers, and the core waited on them): with key i,
+// key i of the next run (its key, needed next) and the value of key i of this run (needed after the chunk's softmax,
+// so into L2).
+struct RunPrefetch {
+  const char *next_k, *v;  // nullptr: none
+  int64_t next_n, v_n, row_bytes;
+  void keys(int64_t i, int64_t n) const {
+    for (int64_t e = std::min(i + n, next_n); i < e; ++i) prefetch(next_k + i * row_bytes, row_bytes);
+  }
+  void values(int64_t i, int64_t n) const {
+    for (int64_t e = std::min(i + n, v_n); i < e; ++i) prefetch<_MM_HINT_T1>(v + i * row_bytes, row_bytes);
+  }
+};
+
 // p[r][i] = (q[r] . key i) * scale for NQ queries and n keys, key i at k + slot(i) * hd (hd % VW == 0). Two queries
 // over four keys are eight independent FMA chains, enough to keep both FMA units busy through their latency, and the
 // four keys' sums come out of one transposing reduction.
 template <int NQ, typename KV, typename Slot>
-void scores(const float* const* q, const KV* k, Slot slot, int64_t n, int64_t hd, float scale, float* const* p) {
+void scores(const float* const* q, const KV* k, Slot slot, int64_t n, int64_t hd, float scale, float* const* p,
+            const RunPrefetch& pf) {
   constexpr int NK = 4;
   const __m128 vscale = _mm_set1_ps(scale);
   int64_t i = 0;
   for (; i + NK <= n; i += NK) {
+    pf.keys(i, NK);
+    pf.values(i, NK);
     const KV* key[NK];
     for (int b = 0; b < NK; ++b) key[b] = k + slot(i + b) * hd;
     vecf a[NQ][NK];
@@ -199,6 +217,8 @@ void scores(const float* const* q, const KV* k, Slot slot, int64_t n, int64_t hd
     for (int r = 0; r < NQ; ++r)
       _mm_storeu_ps(p[r] + i, _mm_mul_ps(hsum4(halve(a[r][0]), halve(a[r][1]), halve(a[r][2]), halve(a[r][3])), vscale));
   }
+  pf.keys(i, pf.next_n - i);  // the rest of a longer next run, and the last few values
+  pf.values(i, n - i);
   for (; i < n; ++i) {
     const KV* ki = k + slot(i) * hd;
     for (int r = 0; r < NQ; ++r) {
@@ -395,16 +415,16 @@ void chunk_part(const float* const* q, const Visible& s, const KV* k, const KV* 
                 int64_t block_size, int64_t hd, float scale, int64_t c, float* const* p, Partial* part) {
   const int64_t row_bytes = hd * sizeof(KV);
   const int64_t n = walk_chunk(s, sr, block_size, c, [&](auto slot, int64_t j, int64_t cnt, SlotRange next) {
-    // The KV cache is read from memory, a block (a page) at a time: ask for this run's values (needed after the
-    // chunk's softmax) and the next run's keys ahead of their use, and for the very first keys at once.
-    if (slot(cnt - 1) == slot(0) + cnt - 1) {  // contiguous (a tree's tail may not be)
-      if (j == 0) prefetch(k + slot(0) * hd, cnt * row_bytes);
-      prefetch<_MM_HINT_T1>(v + slot(0) * hd, cnt * row_bytes);
-    }
-    prefetch(k + next.first * hd, next.n * row_bytes);
+    // The KV cache is read from memory, a block (a page) at a time: the next run's keys and this run's values are
+    // asked for while this run's scores are computed (RunPrefetch), the very first keys at once.
+    const bool contiguous = slot(cnt - 1) == slot(0) + cnt - 1;  // (a tree's tail may not be)
+    if (contiguous && j == 0) prefetch(k + slot(0) * hd, cnt * row_bytes);
+    const RunPrefetch pf{reinterpret_cast<const char*>(k + next.first * hd),
+                         contiguous ? reinterpret_cast<const char*>(v + slot(0) * hd) : nullptr, next.n,
+                         contiguous ? cnt : 0, row_bytes};
     float* pj[NQ];
     for (int r = 0; r < NQ; ++r) pj[r] = p[r] + j;
-    scores<NQ>(q, k, slot, cnt, hd, scale, pj);
+    scores<NQ>(q, k, slot, cnt, hd, scale, pj, pf);
   });
   float* o[NQ];
   for (int r = 0; r < NQ; ++r) {
