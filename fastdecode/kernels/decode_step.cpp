@@ -14,6 +14,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <numeric>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -603,16 +604,43 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
   std::vector<std::atomic<int64_t>> pending(nseq * K);
   for (int64_t s = 0; s < nseq; ++s)
     for (int64_t g = 0; g < K; ++g) pending[s * K + g].store(split[s].chunks, std::memory_order_relaxed);
-  const int64_t n_items = items.size();
-  const int64_t grain = work >= 16384 ? 1 : std::max<int64_t>(n_items, 1);
-  at::parallel_for(0, n_items, grain, [&](int64_t i0, int64_t i1) {
+  // The items go to the threads by cost (queries times the keys they see), each next largest to the least loaded
+  // thread. Equal counts of items left a thread waiting at the barrier when the batch's sequences differ in length
+  // (a decode row at 2,000 tokens beside one at 300, or a prompt chunk beside decode rows).
+  const int64_t n_items = items.size(), n_bins = work >= 16384 ? std::max<int64_t>(1, std::min(threads, n_items)) : 1;
+  std::vector<int64_t> by_bin(n_items), bin_start(n_bins + 1, 0);  // bin b: by_bin[bin_start[b] .. bin_start[b + 1])
+  std::iota(by_bin.begin(), by_bin.end(), 0);
+  if (n_bins > 1) {
+    std::vector<int64_t> cost(n_items, 0), bin(n_items), load(n_bins, 0);
+    for (int64_t it = 0; it < n_items; ++it) {
+      const Item& item = items[it];
+      const int64_t lo = item.c0 * KEY_CHUNK, hi = item.c1 * KEY_CHUNK;
+      for (int64_t r = item.lo; r < item.hi; ++r) {
+        const Visible& s = seen[seqs[item.seq].r0 + r / group];
+        cost[it] += std::max<int64_t>(0, std::min(hi, s.last) - std::max(lo, s.first)) + (int64_t)s.tail.size() + 16;
+      }
+    }
+    std::stable_sort(by_bin.begin(), by_bin.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+    for (const int64_t it : by_bin) {
+      bin[it] = std::min_element(load.begin(), load.end()) - load.begin();
+      load[bin[it]] += cost[it];
+    }
+    std::iota(by_bin.begin(), by_bin.end(), 0);
+    std::stable_sort(by_bin.begin(), by_bin.end(), [&](int64_t a, int64_t b) { return bin[a] < bin[b]; });
+    for (int64_t it = 0; it < n_items; ++it) ++bin_start[bin[it] + 1];
+    std::partial_sum(bin_start.begin(), bin_start.end(), bin_start.begin());
+  } else {
+    bin_start[1] = n_items;
+  }
+  at::parallel_for(0, n_bins, 1, [&](int64_t b0, int64_t b1) {
     std::vector<const float*> qs;
     std::vector<float*> outs;
     std::vector<const Visible*> vis;
     std::vector<int64_t> rows, heads;
     std::vector<float> state_o, sink;
     std::vector<Partial> state;
-    for (int64_t it = i0; it < i1; ++it) {
+    for (int64_t at = bin_start[b0]; at < bin_start[b1]; ++at) {
+      const int64_t it = by_bin[at];
       const Item& item = items[it];
       const SeqRows& sr = seqs[item.seq];
       qs.clear(), outs.clear(), vis.clear(), rows.clear(), heads.clear(), sink.clear();
