@@ -7,6 +7,9 @@ the forward pass, the LM head and the rest (scheduling, batching, sampling, Pyth
 
     python bench/batch_scaling.py                 # SmolLM2-135M as shipped (Q4_1 GGUF), 2 threads
     python bench/batch_scaling.py --kv-dtype float32 --batches 1,4
+    python bench/batch_scaling.py --spread 200,2400 --baseline fb97938
+                                                  # prompts of 200 .. 2400 tokens (as a server's users have), and the
+                                                  # native step of a git revision in alternate repeats beside ours
 
 Writes bench/results/batch_scaling.{json,md}.
 """
@@ -19,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, machine, markdown_table, short_sha, write_json  # noqa: E402
+from common import command_line, machine, markdown_table, native_kernels_at, short_sha, write_json  # noqa: E402
 from decode import prompt_ids  # noqa: E402
 
 
@@ -33,6 +36,10 @@ def main():
     p.add_argument("--kv-dtype", default="float16")
     p.add_argument("--context", type=int, default=0,
                    help="each prompt cut or extended to this many tokens (0: the 585-token prompt of bench/decode.py)")
+    p.add_argument("--spread", default="", help="MIN,MAX: sequence i of B gets a prompt of MIN + (MAX - MIN) i / (B - 1) "
+                   "tokens (the long prompt repeated), instead of all the same")
+    p.add_argument("--baseline", default="", help="also time the native step of this git revision, in alternate "
+                   "repeats on the same sequences")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args()
 
@@ -40,9 +47,21 @@ def main():
 
     _, ids, _ = prompt_ids(a.model, a.context)
     ids = ids[: a.context or None]
+    spread = [int(n) for n in a.spread.split(",")] if a.spread else None
     llm = LLM(a.model, threads=a.threads, kv_dtype=a.kv_dtype, prefix_cache=False)
     engine = llm.engine
     engine.background = False  # this script drives the steps itself, in the thread that owns the OpenMP team
+    builds = {"current": getattr(engine.runner, "ops", None)}
+    if a.baseline:
+        if builds["current"] is None:
+            raise SystemExit("--baseline compares native steps; this engine runs PyTorch's")
+        builds[a.baseline] = native_kernels_at(a.baseline)
+
+    def prompt(i, B):  # distinct last tokens: no two sequences are the same
+        if not spread:
+            return ids[:-1] + [ids[-1] + i]
+        n = spread[0] + (spread[1] - spread[0]) * i // max(B - 1, 1)
+        return (ids * (n // len(ids) + 1))[:n - 1] + [ids[-1] + i]
     parts = {"forward": 0.0, "head": 0.0}
     forward, head = engine.runner.forward, engine.model.head
 
@@ -57,38 +76,43 @@ def main():
     engine.runner.forward, engine.model.head = timed("forward", forward), timed("head", head)
     rows = []
     for B in [int(b) for b in a.batches.split(",")]:
-        params = SamplingParams(max_tokens=a.repeats * (a.steps + 4) + 8, temperature=0, ignore_eos=True)
-        seqs = [engine.add_request(ids[:-1] + [ids[-1] + i], params) for i in range(B)]
+        params = SamplingParams(max_tokens=len(builds) * a.repeats * (a.steps + 4) + 8, temperature=0, ignore_eos=True)
+        seqs = [engine.add_request(prompt(i, B), params) for i in range(B)]
         while any(s.num_output == 0 for s in seqs):
             engine.pump()
-        runs = []
-        for _ in range(a.repeats):
-            for _ in range(4):  # settle: the prefill chunks are behind, every step is decode only
-                engine.pump()
-            parts.update(forward=0.0, head=0.0)
-            t = time.perf_counter()
-            for _ in range(a.steps):
-                engine.pump()
-            step = (time.perf_counter() - t) / a.steps
-            runs.append({"step_ms": 1e3 * step, "forward_ms": 1e3 * parts["forward"] / a.steps,
-                         "head_ms": 1e3 * parts["head"] / a.steps})
+        runs = {name: [] for name in builds}
+        for r in range(a.repeats):
+            for name in list(builds)[::1 if r % 2 == 0 else -1]:  # builds take turns, each first in half the repeats
+                if builds[name] is not None:
+                    engine.runner.ops = builds[name]
+                for _ in range(4):  # settle: the prefill chunks are behind, every step is decode only
+                    engine.pump()
+                parts.update(forward=0.0, head=0.0)
+                t = time.perf_counter()
+                for _ in range(a.steps):
+                    engine.pump()
+                step = (time.perf_counter() - t) / a.steps
+                runs[name].append({"step_ms": 1e3 * step, "forward_ms": 1e3 * parts["forward"] / a.steps,
+                                   "head_ms": 1e3 * parts["head"] / a.steps})
         for s in seqs:
             engine.abort(s)
         engine.pump()
-        median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        rows.append({"batch": B, **median, "total_tok_s": B * 1e3 / median["step_ms"],
-                     "per_sequence_tok_s": 1e3 / median["step_ms"], "runs": runs})
-    one = rows[0]["total_tok_s"]
+        for name, build_runs in runs.items():
+            median = {k: statistics.median(r[k] for r in build_runs) for k in build_runs[0]}
+            rows.append({"build": name, "batch": B, "prompt_tokens": [len(s.prompt_ids) for s in seqs], **median,
+                         "total_tok_s": B * 1e3 / median["step_ms"], "per_sequence_tok_s": 1e3 / median["step_ms"],
+                         "runs": build_runs})
     for r in rows:
+        one = next(o for o in rows if o["build"] == r["build"])["total_tok_s"]
         r["total_vs_first"], r["per_sequence_vs_first"] = r["total_tok_s"] / one, r["per_sequence_tok_s"] / one
     report = {"benchmark": "batch_scaling", "commit": short_sha("HEAD"), "command": command_line(),
               "machine": machine(), "model": a.model, "threads": a.threads, "kv_dtype": a.kv_dtype,
-              "decode_path": llm.decode_path, "prompt_tokens": len(ids), "steps": a.steps, "repeats": a.repeats,
-              "rows": rows}
+              "decode_path": llm.decode_path, "prompt_tokens": spread or len(ids), "steps": a.steps,
+              "repeats": a.repeats, "baseline": a.baseline or None, "rows": rows}
     write_json(a.out / "batch_scaling.json", report)
-    headers = ["sequences", "step ms", "forward ms", "head ms", "other ms", "total tok/s", "per sequence tok/s",
+    headers = ["build", "sequences", "step ms", "forward ms", "head ms", "other ms", "total tok/s", "per sequence tok/s",
                f"total x B={rows[0]['batch']}", f"per sequence x B={rows[0]['batch']}"]
-    cells = [[str(r["batch"]), f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['head_ms']:.1f}",
+    cells = [[r["build"], str(r["batch"]), f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['head_ms']:.1f}",
               f"{r['step_ms'] - r['forward_ms'] - r['head_ms']:.2f}", f"{r['total_tok_s']:.0f}",
               f"{r['per_sequence_tok_s']:.1f}", f"{r['total_vs_first']:.2f}", f"{r['per_sequence_vs_first']:.2f}"]
              for r in rows]
@@ -96,8 +120,9 @@ def main():
     md = (f"# Decode steps by batch size ({a.model}, {llm.decode_path}, KV {a.kv_dtype}, {a.threads} threads)\n\n"
           + markdown_table(headers, cells)
           + f"\n\n- `{report['command']}` at {report['commit']}; {m['cpu']}, load average {m['load_avg_1m_at_start']:.1f}"
-            f" at start.\n- Each sequence: a {len(ids)}-token prompt, then decode only; median of {a.repeats} "
-            f"repeats of {a.steps} steps.\n")
+            f" at start.\n- Each sequence: a {f'{spread[0]}- to {spread[1]}' if spread else len(ids)}-token prompt, "
+            f"then decode only; median of {a.repeats} repeats of {a.steps} steps"
+            + (" (the builds in turn; current: the working tree)" if a.baseline else "") + ".\n")
     (a.out / "batch_scaling.md").write_text(md)
     print(md)
 
