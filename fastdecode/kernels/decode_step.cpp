@@ -14,10 +14,10 @@
 #include "simd.h"
 
 #include <algorithm>
-#include <numeric>
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -617,6 +617,7 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
       const int64_t lo = item.c0 * KEY_CHUNK, hi = item.c1 * KEY_CHUNK;
       for (int64_t r = item.lo; r < item.hi; ++r) {
         const Visible& s = seen[seqs[item.seq].r0 + r / group];
+        // its keys in the item's chunks, and a query's own fixed work (its fold and output) as 16 keys'
         cost[it] += std::max<int64_t>(0, std::min(hi, s.last) - std::max(lo, s.first)) + (int64_t)s.tail.size() + 16;
       }
     }
