@@ -222,7 +222,8 @@ def run_bench(o: dict, params: dict) -> int:
     if o["report_path"]:
         err.print(f"report written to {write_report(storage.load_run(o['db'], run_id), o['report_path'])}")
     if o["json_path"]:
-        Path(o["json_path"]).write_text(json.dumps({"run": run_id, "target": target_text, **summary}, indent=2))
+        Path(o["json_path"]).write_text(json.dumps({"run": run_id, "target": target_text, "environment": env,
+                                                    **summary}, indent=2))
     if summary["overall"]["ok"] == 0:
         kinds = ", ".join(f"{k} x{n}" for k, n in summary["overall"]["error_kinds"].items())
         raise FastdecodeError(f"all {len(records)} requests failed ({kinds}); see `fastdecode bench show {run_id}`")

@@ -51,6 +51,7 @@ def test_sequential_and_sweep_store_a_run_and_write_report_and_json(server, tmp_
     assert summary["by_phase"]["c=2"]["concurrency"] == 2
     assert summary["overall"]["output_tok_s"]["median"] == pytest.approx(50, rel=0.2)
     assert summary["cost"]["per_request_usd"] == pytest.approx((17 * 1 + 12 * 2) / 1e6)
+    assert "python" in summary["environment"] and "git_commit" in summary["environment"]  # what was measured
     html = (tmp_path / "r.html").read_text()
     for plot in ("speed-by-category", "speed-over-time", "concurrency", "ttft-vs-speed"):
         assert f"id='plot-{plot}'" in html
