@@ -144,8 +144,8 @@ void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
 
 // All M rows against tile t: groups of 8 rows, then the rest in one or two passes. AVX-512's 32 registers hold a
 // pass of up to 4 rows (its 4 weight rows' nibbles, 2 accumulators a row), which shares each weight load among them
-// and beats a group of 4's row-at-a-time passes (gate/up 3072 x 576 at 4 rows: 103 us against 113; the LM head 17%
-// less); AVX2's 16 take groups of 4 and passes of up to 2.
+// and beats a group of 4's row-at-a-time passes (SmolLM2's matmuls for a token at 4 rows: 8.5 ms against 9.7,
+// bench/results/batch-q4-pass4); AVX2's 16 take groups of 4 and passes of up to 2.
 void q4_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, const float* xt, int64_t M, int64_t N,
              int64_t t, float* y) {
   const int64_t row_xs = K / 64 * 16, group_xt = K / 64 * 8;
