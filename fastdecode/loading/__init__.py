@@ -1,6 +1,7 @@
 """Model loading: a registered name or a path (GGUF file or Hugging Face directory) -> built model."""
 from __future__ import annotations
 
+import gc
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -101,6 +102,20 @@ def load_tokenizer(path):
     from fastdecode.loading.tokenizer import Tokenizer
 
     path = Path(path)
-    if path.is_dir():
-        return Tokenizer.from_hf_dir(path)
-    return Tokenizer.from_gguf(read_gguf(path).metadata)
+    with collection_paused():
+        if path.is_dir():
+            return Tokenizer.from_hf_dir(path)
+        return Tokenizer.from_gguf(read_gguf(path).metadata)
+
+
+@contextmanager
+def collection_paused():
+    """Python's cycle collector off inside the block: a GGUF vocabulary's half a million merge tuples, all alive
+    until the tokenizer is built, set off collections that walk them and find nothing (Gemma 3: 40 ms of its load)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

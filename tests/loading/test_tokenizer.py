@@ -329,3 +329,21 @@ def test_harmony_replies_end_at_return_or_call_not_at_each_messages_end(tiny):
     phi = Backend.from_str(tiny.backend.to_str())
     phi.add_special_tokens(["<|end|>"])  # Phi-3: <|end|> does end the turn
     assert phi.token_to_id("<|end|>") in Tokenizer(phi, None, []).eos_token_ids
+
+
+def test_the_collector_is_off_while_a_tokenizer_loads_and_as_it_was_after(monkeypatch):
+    import gc
+
+    from fastdecode import loading
+
+    seen = []
+    monkeypatch.setattr(Tokenizer, "from_hf_dir", classmethod(lambda cls, path: seen.append(gc.isenabled())))
+    assert gc.isenabled()
+    loading.load_tokenizer(Path(__file__).parent)  # a directory: from_hf_dir's path
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        loading.load_tokenizer(Path(__file__).parent)
+        assert not gc.isenabled()  # left off where the caller had it off
+    finally:
+        gc.enable()
