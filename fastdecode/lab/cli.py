@@ -139,7 +139,7 @@ def parse_levels(text: str) -> tuple[int, ...]:
               help="A nonce at the start of every prompt, so no prefix cache or drafter has seen it before.")
 @click.option("--mode", "modes", multiple=True, type=click.Choice(MODES), help="Repeatable; default sequential.")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
-              help="Passes over the workload (sequential, compare).")
+              help="Passes over the workload (sequential, compare) or over the levels (sweep).")
 @click.option("--concurrency", default="1,2,4,8", show_default=True, help="Sweep levels.")
 @click.option("--requests-per-user", type=click.IntRange(1), default=2, show_default=True, help="Sweep.")
 @click.option("--duration", type=click.FloatRange(min=1), default=60.0, show_default=True, help="Soak seconds.")

@@ -178,9 +178,8 @@ def summarize(records: list[RequestRecord], window: int = WINDOW_TOKENS, interva
     categories = sorted(group_by(records, lambda r: r.category).items())
     out["by_category"] = {c: summarize_group(rs, window) for c, rs in categories}
     phases = group_by(records, lambda r: r.phase)
-    out["by_phase"] = {p: {**summarize_group(rs, window), "concurrency": rs[0].concurrency,
-                           **({"busy_throughput_tok_s": busy_throughput(rs)} if p.startswith("c=") else {})}
-                       for p, rs in phases.items()}
+    out["by_phase"] = {p: level_summary(rs, window) if p.startswith("c=") else
+                       {**summarize_group(rs, window), "concurrency": rs[0].concurrency} for p, rs in phases.items()}
     if any(r.arm for r in records):
         out["by_arm"] = {a: summarize_group(rs, window) for a, rs in sorted(group_by(records, lambda r: r.arm).items())}
         out["compare"] = paired_comparison(records, window)
@@ -188,8 +187,25 @@ def summarize(records: list[RequestRecord], window: int = WINDOW_TOKENS, interva
     return out
 
 
+def level_summary(records: list[RequestRecord], window: int = WINDOW_TOKENS) -> dict:
+    """A sweep level over all its passes: every per-request statistic over all its requests; its throughputs pass by
+    pass (a pass spans only itself: the other levels' passes ran in between), then their median."""
+    out = {**summarize_group(records, window), "concurrency": records[0].concurrency}
+    passes = [rs for _, rs in sorted(group_by(records, lambda r: r.repeat).items())]
+    whole = [summarize_group(rs, window) for rs in passes]
+    throughputs = [g["throughput_tok_s"] for g in whole if g.get("throughput_tok_s")]
+    busy = [b for rs in passes if (b := busy_throughput(rs)) is not None]
+    out.update(duration_s=sum(g.get("duration_s", 0.0) for g in whole),
+               throughput_tok_s=float(np.median(throughputs)) if throughputs else None,
+               busy_throughput_tok_s=float(np.median(busy)) if busy else None, passes=len(passes))
+    if len(passes) > 1:
+        out.update(throughput_passes_tok_s=throughputs, busy_throughput_passes_tok_s=busy)
+    return out
+
+
 def sweep_rows(summary: dict) -> list[dict]:
-    """Per concurrency level: per-user output speed (median over requests) and total throughput."""
+    """Per concurrency level: per-user output speed (median over requests) and total throughput (median over
+    passes, with their range), each also against the lowest level's."""
     rows = []
     for phase, s in summary["by_phase"].items():
         if phase.startswith("c="):
@@ -197,9 +213,15 @@ def sweep_rows(summary: dict) -> list[dict]:
             rows.append({"concurrency": s["concurrency"], "per_user_tok_s": speed["median"] if speed else None,
                          "per_user_floor_tok_s": speed["p5"] if speed else None,
                          "throughput_tok_s": s.get("throughput_tok_s"),
+                         "throughput_passes_tok_s": s.get("throughput_passes_tok_s"),
                          "busy_throughput_tok_s": s.get("busy_throughput_tok_s"),
                          "ttft_s": s["ttft_s"]["median"] if s["ttft_s"] else None, "errors": s["errors"]})
-    return sorted(rows, key=lambda row: row["concurrency"])
+    rows.sort(key=lambda row: row["concurrency"])
+    for row in rows:
+        for key in ("per_user_tok_s", "throughput_tok_s"):
+            first = rows[0][key]
+            row[key.replace("_tok_s", "_vs_first")] = row[key] / first if row[key] and first else None
+    return rows
 
 
 def paired_comparison(records: list[RequestRecord], window: int = WINDOW_TOKENS) -> dict:

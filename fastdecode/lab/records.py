@@ -34,6 +34,7 @@ class RequestRecord:
     finish_reason: str | None = None
     status: int | None = None  # HTTP status
     error: str | None = None  # None when the request succeeded; errors are recorded, never dropped
+    repeat: int = 0  # which pass over the workload (sequential) or over the levels (sweep), from 0
 
     @property
     def ok(self) -> bool:

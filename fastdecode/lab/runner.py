@@ -2,7 +2,8 @@
 
     sequential   one user, the workload in order (`repeats` passes)
     sweep        for each concurrency c: c users share a queue of c x requests_per_user items (closed loop: each
-                 user sends its next request when the last one ends), giving per-user speed and total throughput
+                 user sends its next request when the last one ends), giving per-user speed and total throughput;
+                 `repeats` passes over the levels, each level's throughput the median of its passes
     soak         `soak_users` users cycle through the workload for `duration_s`: speed over time
     compare      two targets, A B A B on the same items, so that a machine's drift falls on both alike
 
@@ -38,7 +39,7 @@ class Target:
 @dataclass
 class RunConfig:
     modes: tuple[str, ...] = ("sequential",)
-    repeats: int = 1  # passes over the workload in sequential and compare modes
+    repeats: int = 1  # passes over the workload (sequential, compare) or over the levels (sweep)
     concurrency: tuple[int, ...] = (1, 2, 4, 8)  # sweep levels
     requests_per_user: int = 2  # sweep: each level sends concurrency x this many requests
     duration_s: float = 60.0  # soak
@@ -121,20 +122,23 @@ class Lab:
 
     async def sequential(self):
         self.progress.phase("sequential", len(self.items) * self.cfg.repeats)
-        for _, item in itertools.product(range(self.cfg.repeats), self.items):
-            await self.one(item, phase="sequential")
+        for repeat, item in itertools.product(range(self.cfg.repeats), self.items):
+            await self.one(item, phase="sequential", repeat=repeat)
 
     async def sweep(self):
-        for c in self.cfg.concurrency:
+        """Every level in turn, `repeats` times over (1, 2, 4, 8, 1, 2, 4, 8, ...), so that a machine's drift
+        touches every level alike."""
+        for repeat, c in itertools.product(range(self.cfg.repeats), self.cfg.concurrency):
             n = c * self.cfg.requests_per_user
-            self.progress.phase(f"sweep, {c} users", n)
+            self.progress.phase(f"sweep, {c} users" + (f", pass {repeat + 1}/{self.cfg.repeats}"
+                                                       if self.cfg.repeats > 1 else ""), n)
             queue: asyncio.Queue[WorkItem] = asyncio.Queue()
             for item in itertools.islice(itertools.cycle(self.items), n):
                 queue.put_nowait(item)
 
-            async def user(u: int, c: int = c, queue=queue):
+            async def user(u: int, c: int = c, queue=queue, repeat=repeat):
                 while not queue.empty():
-                    await self.one(queue.get_nowait(), phase=f"c={c}", user=u, concurrency=c)
+                    await self.one(queue.get_nowait(), phase=f"c={c}", user=u, concurrency=c, repeat=repeat)
 
             await asyncio.gather(*(user(u) for u in range(c)))
 

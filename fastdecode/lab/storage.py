@@ -34,9 +34,12 @@ CREATE TABLE IF NOT EXISTS requests (
     status INTEGER, error TEXT,
     chunks TEXT,        -- JSON [[t, tokens, content chars, reasoning chars], ...]
     content TEXT, reasoning TEXT,
+    repeat INTEGER DEFAULT 0,
     PRIMARY KEY (run_id, seq)
 );
 """
+# Columns added since a table's first version: a database written before gets them (at their defaults) when opened.
+ADDED_COLUMNS = {"requests": {"repeat": "INTEGER DEFAULT 0"}}
 
 
 class RunNotFoundError(FastdecodeError):
@@ -66,6 +69,11 @@ def connect(path: str | Path | None) -> sqlite3.Connection:
         path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(path)
         db.executescript(SCHEMA)
+        for table, columns in ADDED_COLUMNS.items():
+            have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in columns.items():
+                if name not in have:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
     except (OSError, sqlite3.Error) as e:
         raise FastdecodeError(f"cannot open the lab database {path}: {e}") from None
     return db
@@ -89,18 +97,19 @@ def record_row(r: RequestRecord) -> tuple:
     chunks = [[c.t, c.tokens, len(c.content), len(c.reasoning)] for c in r.chunks]
     return (r.item_id, r.category, r.phase, r.arm, r.user, r.concurrency, r.max_tokens, r.sent_at, r.sent_unix,
             r.end_s, r.prompt_tokens, r.output_tokens, r.token_source, json.dumps(r.usage), r.finish_reason,
-            r.status, r.error, json.dumps(chunks), r.content, r.reasoning)
+            r.status, r.error, json.dumps(chunks), r.content, r.reasoning, r.repeat)
 
 
 def row_record(row) -> RequestRecord:
     (item_id, category, phase, arm, user, concurrency, max_tokens, sent_at, sent_unix, end_s, prompt_tokens,
-     output_tokens, token_source, usage, finish_reason, status, error, chunks, content, reasoning) = row
+     output_tokens, token_source, usage, finish_reason, status, error, chunks, content, reasoning, repeat) = row
     out, ci, ri = [], 0, 0
     for t, tokens, nc, nr in json.loads(chunks):
         out.append(Chunk(t, content[ci:ci + nc], reasoning[ri:ri + nr], tokens))
         ci, ri = ci + nc, ri + nr
     return RequestRecord(item_id, category, phase, arm, user, concurrency, max_tokens, sent_at, sent_unix, out, end_s,
-                         prompt_tokens, output_tokens, token_source, json.loads(usage), finish_reason, status, error)
+                         prompt_tokens, output_tokens, token_source, json.loads(usage), finish_reason, status, error,
+                         repeat or 0)
 
 
 def list_runs(path) -> list[dict]:

@@ -37,14 +37,21 @@ def print_summary(console: Console, title: str, s: dict) -> None:
     rows = sweep_rows(s)
     if rows:
         w = Table(title="concurrency sweep", title_justify="left")
-        for name in ["users", "per-user tok/s", "per-user P5", "throughput tok/s", "all busy tok/s", "median TTFT ms",
-                     "errors"]:
+        first = f"x {rows[0]['concurrency']} user" + ("s" if rows[0]["concurrency"] > 1 else "")
+        for name in ["users", "per-user tok/s", first, "per-user P5", "throughput tok/s", first, "all busy tok/s",
+                     "median TTFT ms", "errors"]:
             w.add_column(name, justify="right")
         for r in rows:
-            w.add_row(str(r["concurrency"]), fmt(r["per_user_tok_s"]), fmt(r["per_user_floor_tok_s"]),
-                      fmt(r["throughput_tok_s"]), fmt(r.get("busy_throughput_tok_s")), fmt(r["ttft_s"], 1e3),
+            passes = r.get("throughput_passes_tok_s")
+            spread = f" ({fmt(min(passes))}-{fmt(max(passes))})" if passes else ""
+            w.add_row(str(r["concurrency"]), fmt(r["per_user_tok_s"]), fmt(r["per_user_vs_first"]),
+                      fmt(r["per_user_floor_tok_s"]), fmt(r["throughput_tok_s"]) + spread,
+                      fmt(r["throughput_vs_first"]), fmt(r.get("busy_throughput_tok_s")), fmt(r["ttft_s"], 1e3),
                       str(r["errors"]))
-        console.print(w)
+        if any(r.get("throughput_passes_tok_s") for r in rows):
+            console.print(w, "throughput: the median of the passes over the levels (their range)")
+        else:
+            console.print(w)
     if s.get("compare"):
         cmp = s["compare"]
         for arm, g in s.get("by_arm", {}).items():

@@ -61,6 +61,19 @@ def test_sequential_and_sweep_store_a_run_and_write_report_and_json(server, tmp_
     assert json.loads(config)["modes"] == ["sequential", "sweep"] and "python" in json.loads(env)
 
 
+def test_a_sweep_with_repeats_passes_over_every_level_in_turn(server, tmp_path):
+    result = run_ok(server, tmp_path, "--mode", "sweep", "--concurrency", "1,2", "--requests-per-user", "1",
+                    "--repeats", "2", "--json", str(tmp_path / "r.json"))
+    assert "x 1 user" in result.stdout and "median of the passes" in result.stdout
+    level = json.loads((tmp_path / "r.json").read_text())["by_phase"]["c=2"]
+    assert level["passes"] == 2 and len(level["throughput_passes_tok_s"]) == 2 and level["requests"] == 4
+    with sqlite3.connect(tmp_path / "lab.sqlite") as db:
+        sent = db.execute("SELECT phase, repeat, min(sent_at), max(sent_at) FROM requests GROUP BY phase, repeat "
+                          "ORDER BY min(sent_at)").fetchall()
+    assert [(phase, repeat) for phase, repeat, _, _ in sent] == [("c=1", 0), ("c=2", 0), ("c=1", 1), ("c=2", 1)]
+    assert all(earlier[3] < later[2] for earlier, later in zip(sent, sent[1:]))  # one pass of a level at a time
+
+
 def test_list_show_and_compare_read_stored_runs(server, tmp_path):
     run_ok(server, tmp_path, "--label", "first")
     run_ok(server, tmp_path, "--label", "second", model="slow")

@@ -125,6 +125,24 @@ def test_summary_groups_by_category_and_sweep_level():
     assert rows[1]["throughput_tok_s"] == pytest.approx(4 / 0.3)  # 4 tokens from t=1.0 to t=1.3
 
 
+def test_a_levels_throughput_is_the_median_of_its_passes_and_rows_compare_with_the_lowest_level():
+    # c=1: one pass, 2 tokens in 0.2 s. c=2: three passes of two users, each pass on its own stretch of the run
+    # (the other levels' passes in between), with 4 tokens in 0.3, 0.4 and 0.8 s.
+    rs = [record([(0.1, 1), (0.2, 1)], phase="c=1", concurrency=1)]
+    for repeat, (start, span) in enumerate([(1.0, 0.3), (5.0, 0.4), (9.0, 0.8)]):
+        rs += [record([(0.1, 1), (span, 1)], phase="c=2", concurrency=2, user=u, sent_at=start, repeat=repeat)
+               for u in (0, 1)]
+    level = summarize(rs)["by_phase"]["c=2"]
+    assert level["passes"] == 3 and level["throughput_passes_tok_s"] == pytest.approx([4 / 0.3, 4 / 0.4, 4 / 0.8])
+    assert level["throughput_tok_s"] == pytest.approx(4 / 0.4)  # not 12 tokens over the 8.8 s the passes span
+    assert level["duration_s"] == pytest.approx(0.3 + 0.4 + 0.8) and level["requests"] == 6
+    one, two = sweep_rows(summarize(rs))
+    assert one["throughput_vs_first"] == 1.0 and one["throughput_passes_tok_s"] is None
+    assert two["throughput_vs_first"] == pytest.approx((4 / 0.4) / (2 / 0.2))
+    speeds = sorted(1 / (span - 0.1) for span in (0.3, 0.4, 0.8))  # each request's one token after its first
+    assert two["per_user_tok_s"] == pytest.approx(speeds[1]) and two["per_user_vs_first"] == pytest.approx(speeds[1] / 10)
+
+
 def test_paired_comparison_takes_the_median_ratio_of_interleaved_pairs():
     rs = []
     for i in range(4):  # B is twice as fast as A in every pair, while the machine drifts slower over time

@@ -21,3 +21,21 @@ def test_records_round_trip_with_chunk_texts_and_timings(tmp_path):
         load_run(db, 99)
     with pytest.raises(RunNotFoundError):
         load_run(db, "x")
+
+
+def test_a_database_from_before_the_repeat_column_opens_and_reads_its_records_as_the_first_pass(tmp_path):
+    import sqlite3
+
+    from fastdecode.lab import storage
+
+    db = tmp_path / "old.sqlite"
+    old_schema = storage.SCHEMA.replace("    repeat INTEGER DEFAULT 0,\n", "")
+    assert old_schema != storage.SCHEMA
+    with sqlite3.connect(db) as con:
+        con.executescript(old_schema)
+        con.execute("INSERT INTO runs VALUES (1, 'then', 'old', 'sweep', 't', '{}', '{}', '{}')")
+        con.execute("INSERT INTO requests VALUES (1, 0, 'a', 'c', 'c=1', '', 0, 1, 8, 0.0, 0.0, 0.1, 3, 1, 'usage', "
+                    "'null', 'stop', 200, NULL, '[[0.05, 1, 2, 0]]', 'hi', '')")
+    assert load_run(db, 1).records[0].repeat == 0 and load_run(db, 1).records[0].content == "hi"
+    later = RequestRecord("b", "c", phase="c=2", repeat=2, chunks=[Chunk(0.1, "x", "", 1.0)], end_s=0.2)
+    assert load_run(db, save_run(db, "", ["sweep"], "t", {}, {}, {}, [later])).records == [later]
