@@ -48,10 +48,9 @@ def print_summary(console: Console, title: str, s: dict) -> None:
                       fmt(r["per_user_floor_tok_s"]), fmt(r["throughput_tok_s"]) + spread,
                       fmt(r["throughput_vs_first"]), fmt(r.get("busy_throughput_tok_s")), fmt(r["ttft_s"], 1e3),
                       str(r["errors"]))
+        console.print(w)
         if any(r.get("throughput_passes_tok_s") for r in rows):
-            console.print(w, "throughput: the median of the passes over the levels (their range)")
-        else:
-            console.print(w)
+            console.print("throughput: the median of the passes over the levels (their range)")
     if s.get("compare"):
         cmp = s["compare"]
         for arm, g in s.get("by_arm", {}).items():
