@@ -90,12 +90,24 @@ def category_table(by_category: dict) -> str:
     return f"<table class='categories'>{head}{body}</table>"
 
 
+def vs_first(rows: list[dict]) -> str:
+    """The heading of a sweep's columns against its lowest level."""
+    return f"x {rows[0]['concurrency']} user" + ("s" if rows[0]["concurrency"] > 1 else "") if rows else ""
+
+
+def throughput_cell(row: dict) -> str:
+    """A sweep level's throughput, with the range of its passes where there were several."""
+    passes = row.get("throughput_passes_tok_s")
+    return fmt(row["throughput_tok_s"]) + (f" ({fmt(min(passes))}-{fmt(max(passes))})" if passes else "")
+
+
 def sweep_table(rows: list[dict]) -> str:
-    head = ("<tr><th>users</th><th>per-user tok/s (median)</th><th>per-user floor (P5)</th>"
-            "<th>total throughput tok/s</th><th>while all users busy</th><th>median TTFT ms</th>"
-            "<th>errors</th></tr>")
+    head = (f"<tr><th>users</th><th>per-user tok/s (median)</th><th>{vs_first(rows)}</th><th>per-user floor (P5)</th>"
+            f"<th>total throughput tok/s</th><th>{vs_first(rows)}</th><th>while all users busy</th>"
+            "<th>median TTFT ms</th><th>errors</th></tr>")
     body = "".join(f"<tr><td>{r['concurrency']}</td><td>{fmt(r['per_user_tok_s'])}</td>"
-                   f"<td>{fmt(r['per_user_floor_tok_s'])}</td><td>{fmt(r['throughput_tok_s'])}</td>"
+                   f"<td>{fmt(r.get('per_user_vs_first'))}</td><td>{fmt(r['per_user_floor_tok_s'])}</td>"
+                   f"<td>{throughput_cell(r)}</td><td>{fmt(r.get('throughput_vs_first'))}</td>"
                    f"<td>{fmt(r.get('busy_throughput_tok_s'))}</td>"
                    f"<td>{fmt(r['ttft_s'], 1e3)}</td><td>{r['errors']}</td></tr>" for r in rows)
     return f"<table class='sweep'>{head}{body}</table>"

@@ -5,7 +5,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fastdecode.lab.metrics import sweep_rows
-from fastdecode.lab.report import METRIC_ROWS, STAT_COLUMNS, fmt, usd
+from fastdecode.lab.report import METRIC_ROWS, STAT_COLUMNS, fmt, throughput_cell, usd, vs_first
 
 
 def print_summary(console: Console, title: str, s: dict) -> None:
@@ -37,17 +37,13 @@ def print_summary(console: Console, title: str, s: dict) -> None:
     rows = sweep_rows(s)
     if rows:
         w = Table(title="concurrency sweep", title_justify="left")
-        first = f"x {rows[0]['concurrency']} user" + ("s" if rows[0]["concurrency"] > 1 else "")
-        for name in ["users", "per-user tok/s", first, "per-user P5", "throughput tok/s", first, "all busy tok/s",
-                     "median TTFT ms", "errors"]:
+        for name in ["users", "per-user tok/s", vs_first(rows), "per-user P5", "throughput tok/s", vs_first(rows),
+                     "all busy tok/s", "median TTFT ms", "errors"]:
             w.add_column(name, justify="right")
         for r in rows:
-            passes = r.get("throughput_passes_tok_s")
-            spread = f" ({fmt(min(passes))}-{fmt(max(passes))})" if passes else ""
             w.add_row(str(r["concurrency"]), fmt(r["per_user_tok_s"]), fmt(r["per_user_vs_first"]),
-                      fmt(r["per_user_floor_tok_s"]), fmt(r["throughput_tok_s"]) + spread,
-                      fmt(r["throughput_vs_first"]), fmt(r.get("busy_throughput_tok_s")), fmt(r["ttft_s"], 1e3),
-                      str(r["errors"]))
+                      fmt(r["per_user_floor_tok_s"]), throughput_cell(r), fmt(r["throughput_vs_first"]),
+                      fmt(r.get("busy_throughput_tok_s")), fmt(r["ttft_s"], 1e3), str(r["errors"]))
         console.print(w)
         if any(r.get("throughput_passes_tok_s") for r in rows):
             console.print("throughput: the median of the passes over the levels (their range)")

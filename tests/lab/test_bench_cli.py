@@ -63,8 +63,9 @@ def test_sequential_and_sweep_store_a_run_and_write_report_and_json(server, tmp_
 
 def test_a_sweep_with_repeats_passes_over_every_level_in_turn(server, tmp_path):
     result = run_ok(server, tmp_path, "--mode", "sweep", "--concurrency", "1,2", "--requests-per-user", "1",
-                    "--repeats", "2", "--json", str(tmp_path / "r.json"))
+                    "--repeats", "2", "--json", str(tmp_path / "r.json"), "--report", str(tmp_path / "r.html"))
     assert "x 1 user" in result.stdout and "median of the passes" in result.stdout
+    assert "<th>x 1 user</th>" in (tmp_path / "r.html").read_text()
     level = json.loads((tmp_path / "r.json").read_text())["by_phase"]["c=2"]
     assert level["passes"] == 2 and len(level["throughput_passes_tok_s"]) == 2 and level["requests"] == 4
     with sqlite3.connect(tmp_path / "lab.sqlite") as db:
