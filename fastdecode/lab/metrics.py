@@ -192,10 +192,10 @@ def level_summary(records: list[RequestRecord], window: int = WINDOW_TOKENS) -> 
     pass (a pass spans only itself: the other levels' passes ran in between), then their median."""
     out = {**summarize_group(records, window), "concurrency": records[0].concurrency}
     passes = [rs for _, rs in sorted(group_by(records, lambda r: r.repeat).items())]
-    whole = [summarize_group(rs, window) for rs in passes]
-    throughputs = [g["throughput_tok_s"] for g in whole if g.get("throughput_tok_s")]
+    per_pass = [summarize_group(rs, window) for rs in passes]
+    throughputs = [g["throughput_tok_s"] for g in per_pass if g.get("throughput_tok_s")]
     busy = [b for rs in passes if (b := busy_throughput(rs)) is not None]
-    out.update(duration_s=sum(g.get("duration_s", 0.0) for g in whole),
+    out.update(duration_s=sum(g.get("duration_s", 0.0) for g in per_pass),
                throughput_tok_s=float(np.median(throughputs)) if throughputs else None,
                busy_throughput_tok_s=float(np.median(busy)) if busy else None, passes=len(passes))
     if len(passes) > 1:
