@@ -66,7 +66,7 @@ def hf_config(c: ModelConfig) -> dict:
 
 def save_tokenizer(tokenizer, out: Path):
     """Writes what Tokenizer.from_hf_dir reads: the `tokenizers` pipeline, special tokens and chat template."""
-    backend = tokenizer.backend
+    backend = tokenizer.complete_backend
     token = lambda i: backend.id_to_token(i) if i is not None else None  # noqa: E731
     (out / "tokenizer.json").write_text(backend.to_str())
     eos = tokenizer.eos_token_ids

@@ -111,6 +111,76 @@ def test_gemma3_matches_transformers_on_300_strings(gemma, gemma_ref):
     assert mismatches(gemma, gemma_ref, strings()) == []
 
 
+def random_texts(backend, n: int, seed: int = 0) -> list[str]:
+    """Texts of vocabulary pieces, added tokens and single characters (some outside the vocabulary: byte fallback),
+    joined at random: pairs that merge across pieces, runs of spaces and newlines, specials in the middle of words."""
+    rng = np.random.default_rng(seed)
+    size = backend.get_vocab_size()
+    pieces = [backend.id_to_token(int(i)).replace("\u2581", " ") for i in rng.integers(0, size, 3000)]
+    added = [t.content for t in backend.get_added_tokens_decoder().values()]
+    chars = list(" \n\t  ab.,;:()[]{}=+-*/\\'\"#@é日本😀\u2581<>_0123456789\x00\u0301\U0010ffff")
+    texts = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rng.integers(1, 40)):
+            kind = rng.random()
+            source = pieces if kind < 0.45 else added if kind < 0.5 and added else chars
+            parts.append(source[rng.integers(len(source))])
+        texts.append("".join(parts))
+    return texts
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["native-pipeline", "tokenizers-pipeline"])
+def test_gemma3_implied_merges_encode_as_the_listed_merges_do(gemma3_path, whole):
+    """The native table (ImpliedBPE) against `tokenizers` with all 515k merges listed, both ways it runs: Gemma's
+    whole pipeline in the table, or `tokenizers` up to the model and the table merging."""
+    tok = load(gemma3_path)
+    assert tok.implied is not None and tok.implied.whole
+    tok.implied.whole = whole
+    listed = tok.complete_backend
+    texts = strings() + random_texts(listed, 1500) + [" " * 40 + "x", "\n" * 70, "\t\t\n  \n", "<" * 50]
+    for text in texts:
+        for specials in (True, False):
+            assert tok.encode(text, specials) == listed.encode(text, add_special_tokens=specials).ids, repr(text)
+
+
+def tiny_sentencepiece(**changes) -> dict:
+    """A llama-style vocabulary with scores and no merges, a repeated token, byte fallback for a few bytes only."""
+    tokens = ["<unk>", "<s>", "</s>", "<0x41>", "<0xC3>", "<0xA9>", "\u2581", "a", "b", "c", "ab", "bc", "abc", "\u2581a",
+              "\u2581ab", "ca", "cab", "bca", "ab", "<ctl>"]
+    scores = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -2.0, -2.0, -3.0, -3.0, -5.0, -4.0, -6.0, -3.0, -7.0, -7.0,
+              -3.5, 0.0]
+    meta = {"general.architecture": "llama", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 3 + [1] * 13 + [3],
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0}
+    return {**meta, **{f"tokenizer.ggml.{k}": v for k, v in changes.items()}}
+
+
+@pytest.mark.parametrize("add_space_prefix", [True, False])
+def test_a_sentencepiece_vocabulary_with_scores_merges_as_its_listed_merges_do(add_space_prefix):
+    tok = Tokenizer.from_gguf(tiny_sentencepiece(add_space_prefix=add_space_prefix, add_eos_token=True))
+    assert tok.implied is not None and not tok.implied.whole  # a Metaspace pre-tokenizer: tokenizers runs it
+    listed = tok.complete_backend
+    rng = np.random.default_rng(1)
+    alphabet = ["a", "b", "c", " ", "A", "é", "z", "<ctl>", "ab", "ca"]
+    texts = ["".join(alphabet[i] for i in rng.integers(len(alphabet), size=rng.integers(0, 12))) for _ in range(400)]
+    for text in texts:
+        for specials in (True, False):
+            assert tok.encode(text, specials) == listed.encode(text, add_special_tokens=specials).ids, repr(text)
+    # merged by score (the repeated "ab" takes its last id's), not one token per character
+    want = ["\u2581a", "bc"] if add_space_prefix else ["abc"]
+    assert [tok.backend.id_to_token(i) for i in tok.encode("abc", False)] == want
+
+
+def test_without_the_native_table_the_merges_are_listed(monkeypatch):
+    monkeypatch.setattr(tokenizer_module, "spm_merges_module", lambda: None)
+    tok = Tokenizer.from_gguf(tiny_sentencepiece())
+    assert tok.implied is None and tok.complete_backend is tok.backend
+    assert json.loads(tok.backend.to_str())["model"]["merges"]
+    assert [tok.backend.id_to_token(i) for i in tok.encode("abc cab")] == ["<s>", "\u2581a", "bc", "\u2581", "cab"]
+
+
 @pytest.mark.parametrize("name", ["smollm", "gemma"])
 def test_no_text_takes_fewer_tokens_than_its_length_over_max_token_chars(name, request):
     """The bound the server refuses over-long prompts by before tokenizing them (prepare.can_fit): here with the
@@ -134,7 +204,7 @@ def test_a_normalizer_that_can_shorten_text_gives_no_bound():
 
 
 def same_model_and_added_tokens(ours, ref):
-    ours, ref = json.loads(ours.backend.to_str()), json.loads(ref.backend_tokenizer.to_str())
+    ours, ref = json.loads(ours.complete_backend.to_str()), json.loads(ref.backend_tokenizer.to_str())
     added = lambda j: sorted((t["id"], t["content"], t["special"]) for t in j["added_tokens"])  # noqa: E731
     model = lambda j: [j["model"][k] for k in ("vocab", "merges", "unk_token", "fuse_unk", "byte_fallback")]  # noqa
     return model(ours) == model(ref) and added(ours) == added(ref)
