@@ -163,9 +163,8 @@ class Engine:
             context.append(start)
             masks.append(mask)
         width = max(len(w.seq.table.blocks) for w in work)
-        tables = torch.zeros(len(work), width, dtype=torch.long)
-        for i, w in enumerate(work):
-            tables[i, :len(w.seq.table.blocks)] = torch.tensor(w.seq.table.blocks)
+        tables = torch.tensor([w.seq.table.blocks + [0] * (width - len(w.seq.table.blocks)) for w in work],
+                              dtype=torch.long)
         tree_mask = None
         if any(m is not None for m in masks):
             R = len(tokens)

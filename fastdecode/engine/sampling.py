@@ -90,7 +90,9 @@ class Sampler:
         # hundred logits where a mask over the vocabulary touched them all (0.1-0.2 ms a token).
         self.seen: set[int] = set()
         self.seen_ids = torch.empty(vocab_size, dtype=torch.long)  # seen_ids[:len(seen)]
-        self.counts = torch.zeros(vocab_size, dtype=torch.float32)  # output only, for presence/frequency
+        # output only, for presence/frequency; none without them (an indexed add costs ~5 us a token)
+        counted = params.presence_penalty or params.frequency_penalty
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32) if counted else None
         self.output: list[int] = []
         self.logprobs: list[dict] = []  # one entry per accepted token when params.logprobs is set
         if params.repetition_penalty != 1 and prompt_ids:
@@ -104,7 +106,8 @@ class Sampler:
         if self.params.repetition_penalty != 1 and token not in self.seen:
             self.seen_ids[len(self.seen)] = token
             self.seen.add(token)
-        self.counts[token] += 1
+        if self.counts is not None:
+            self.counts[token] += 1
         self.output.append(token)
         if self.params.logprobs is not None and logits is not None:
             logprobs = torch.log_softmax(logits.float(), -1)
