@@ -42,6 +42,7 @@ using fastdecode::offset32_dot;
 using fastdecode::pair_dot;
 using fastdecode::prefetch;
 using fastdecode::prefetch_stream;
+using fastdecode::prefetch_stream_l1;
 using fastdecode::row_scales;
 
 constexpr int64_t QK_K = 256;
@@ -211,7 +212,7 @@ void q6_rows(const Call& c, int r0) {
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
   const uint8_t* w = c.w;
   for (int64_t sb = 0; sb < c.sbs; ++sb, w += Q6K_BYTES) {
-    if (NR == 4) prefetch_stream(w, Q6K_BYTES);  // one pass over the tile (one or two rows): streamed
+    if (NR == 4) prefetch_stream_l1(w, Q6K_BYTES);  // one pass over the tile (one or two rows): streamed
     for (int h = 0; h < 2; ++h) {
       const int64_t b0 = 8 * sb + 4 * h;  // the half's first activation block
       for (int r = 0; r < NR; ++r) {

@@ -29,8 +29,10 @@ inline void prefetch(const void* p, int64_t bytes) {
 // flight than L1's fill buffers) and 3 KB ahead did better where memory answered slowly: an 8B model's Q4_K gate/up
 // matrices 23.4 against 21.3 GB/s, its Q8_0 ones 26.4 against 22.7, SmolLM2-135M's decode step 147 against 125
 // tok/s, Q4_0 the same (alternating runs of one build; 2 KB was between).
-constexpr int64_t STREAM_AHEAD = 3072;
+// Q6_K's pass, which does more work per byte, streamed 7-13% slower that way (bench/stream.py): it keeps 1 KB into L1.
+constexpr int64_t STREAM_AHEAD = 3072, STREAM_AHEAD_L1 = 1024;
 inline void prefetch_stream(const uint8_t* p, int64_t bytes) { prefetch<_MM_HINT_T1>(p + STREAM_AHEAD, bytes); }
+inline void prefetch_stream_l1(const uint8_t* p, int64_t bytes) { prefetch(p + STREAM_AHEAD_L1, bytes); }
 
 // vecf: the widest float vector of the build, VW lanes (16 where the build has AVX-512, else 8), for the loops whose
 // cost is FMAs (float matmuls, attention). A build sums in its own lane order, the same for every row and batch.
