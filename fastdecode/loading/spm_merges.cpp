@@ -1,13 +1,13 @@
-// The merge step of `tokenizers`' BPE for a SentencePiece vocabulary whose merges are implied by the vocabulary
-// (tokenizer.implied_merges: every split of a token into two tokens, ranked by the token's priority, then the longer
-// left piece, the longer right piece, then vocabulary order), computed from the vocabulary itself instead of from a
-// list of its 515k merges: `tokenizers` takes 0.5 s to build that list into its BPE (Gemma 3), this table 0.05 s.
+// `tokenizers`' BPE for a SentencePiece vocabulary whose merges are implied by the vocabulary (tokenizer.implied_merges:
+// every split of a token into two tokens, ranked by the token's priority, then the longer left piece, the longer right
+// piece, then vocabulary order), with the merges found in the vocabulary itself instead of listed: `tokenizers` took
+// 0.5 s to build Gemma 3's 515k merges into its BPE, this table takes 0.05 s.
 //
-// Input: the ids `tokenizers` gives with no merges (one symbol per character, byte-fallback and added tokens as they
-// come). Output: the ids its BPE with the implied merges gives. The loop is Word::merge_all's (tokenizers/src/models/
-// bpe/word.rs): a min-heap of (rank, position, new id); an entry whose pair no longer merges into that id is dropped;
-// a merge pushes the new pairs with both neighbours. Merging never crosses an added token (tokenizers splits them out
-// before the model runs), so the ids are merged in runs between them.
+// merge(): the ids `tokenizers` gives with no merges (one symbol per character, byte-fallback and added tokens as they
+// come) -> the ids its BPE with the implied merges gives. encode(): the same for Gemma's whole pipeline, from text.
+// The loop is Word::merge_all's (tokenizers/src/models/bpe/word.rs): a min-heap of (rank, position, new id); an entry
+// whose pair no longer merges into that id is dropped; a merge pushes the new pairs with both neighbours. Merging never
+// crosses an added token (tokenizers splits them out before the model runs), so ids are merged in runs between them.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
