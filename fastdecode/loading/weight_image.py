@@ -452,6 +452,10 @@ class WeightImage:
         try:
             if self.enabled and make_room(self.directory, self.size_estimate, self.key[:SOURCE]):
                 self.writer = ImageWriter(self.directory, self.key)
+            elif self.enabled and cap_bytes() > 0:  # (a cap of 0 turns images off: nothing to say)
+                log.warning("weight image not written: %.1f GB would pass the cap (FASTDECODE_WEIGHT_CACHE_GB=%g) or "
+                            "leave %s less than 4 GB or 5%% free, so every load of this file packs it again",
+                            self.size_estimate / 1e9, cap_bytes() / 1e9, self.directory)
         except OSError as e:  # a read-only home: no image, the load goes on
             log.warning("weight image not written: %s", e)
         try:

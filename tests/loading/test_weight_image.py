@@ -3,6 +3,7 @@ load maps. The mapped model must be the packed one, module for module and byte f
 builds; a corrupt, stale or unwritable image must never change what loads."""
 import json
 import logging
+import shutil
 import threading
 import time
 
@@ -196,7 +197,18 @@ def test_a_full_disk_or_a_zero_cap_leaves_no_image_and_loads(images, monkeypatch
     monkeypatch.setenv("FASTDECODE_WEIGHT_CACHE_GB", "0")
     again, mapped = load(path, caplog)
     assert not mapped and not list(images.iterdir())
+    assert not any("not written" in r.message for r in caplog.records)  # images turned off: nothing to say
     assert_same_model(packed, again)
+
+
+def test_a_disk_without_its_reserve_leaves_no_image_and_says_so(images, monkeypatch, caplog):
+    path = FILES["mixed"]()
+    monkeypatch.setattr(memory, "MIN_BYTES", 0)
+    real = shutil.disk_usage  # a 100 GB disk with 4.5 GB free: under its 5 GB reserve once an image is on it
+    monkeypatch.setattr(weight_image.shutil, "disk_usage", lambda p: real(p)._replace(total=100e9, free=4.5e9))
+    model, mapped = load(path, caplog)
+    assert not mapped and not list(images.glob("*.bin"))
+    assert any("weight image not written" in r.message and "packs it again" in r.message for r in caplog.records)
 
 
 def test_the_least_recently_used_image_goes_first_under_the_cap(images, monkeypatch, caplog):
