@@ -17,6 +17,7 @@
 #include <cstring>
 #include <functional>
 #include <queue>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -34,14 +35,15 @@ class ImpliedMerges {
   ImpliedMerges(std::vector<std::string> tokens, const std::vector<int32_t>& level, const std::vector<int64_t>& boundary,
                 std::vector<std::string> added, const std::vector<int64_t>& added_ids, int64_t unk_id)
       : tokens_(std::move(tokens)), chars_(tokens_.size()), is_boundary_(tokens_.size(), false),
-        added_(std::move(added)), unk_id_(unk_id) {
+        seed_(std::random_device{}() | static_cast<uint64_t>(std::random_device{}()) << 32),
+        added_(std::move(added)), added_index_(0, Hasher{seed_}), unk_id_(unk_id) {
     size_t slots = 16;
     while (slots < 2 * tokens_.size()) slots *= 2;
     slots_.assign(slots, {0, -1});
     for (size_t id = 0; id < tokens_.size(); ++id) {
       const std::string_view t = tokens_[id];
       // a dict of the tokens: a repeated string keeps its first place (u) and takes its last id
-      const uint64_t h = hash(t);
+      const uint64_t h = hash(t, seed_);
       size_t at = h & (slots_.size() - 1);
       while (slots_[at].u >= 0 && !(slots_[at].hash == h && tokens_[distinct_[slots_[at].u].first] == t))
         at = (at + 1) & (slots_.size() - 1);
@@ -137,9 +139,15 @@ class ImpliedMerges {
     uint64_t hash;
     int32_t u;  // -1: empty
   };
+  struct Hasher {
+    uint64_t seed;
+    size_t operator()(std::string_view s) const { return hash(s, seed); }
+  };
 
-  static uint64_t hash(std::string_view s) {
-    uint64_t h = 0x9E3779B97F4A7C15ull ^ s.size();
+  // Seeded per table: the vocabulary comes from a file, and one whose strings were chosen to collide in a fixed hash
+  // would make every lookup walk them all (a load that never ends).
+  static uint64_t hash(std::string_view s, uint64_t seed) {
+    uint64_t h = (seed ^ s.size()) * 0x9E3779B97F4A7C15ull;
     size_t i = 0;
     for (; i + 8 <= s.size(); i += 8) {
       uint64_t w;
@@ -155,7 +163,7 @@ class ImpliedMerges {
 
   // The distinct token spelled s: its u, or -1.
   int32_t lookup(std::string_view s) const {
-    const uint64_t h = hash(s);
+    const uint64_t h = hash(s, seed_);
     for (size_t at = h & (slots_.size() - 1);; at = (at + 1) & (slots_.size() - 1)) {
       const Slot& slot = slots_[at];
       if (slot.u < 0) return -1;
@@ -275,8 +283,9 @@ class ImpliedMerges {
   std::vector<bool> is_boundary_;
   std::vector<Token> distinct_;
   std::vector<Slot> slots_;  // open addressing: a distinct token's hash -> u
+  uint64_t seed_;
   std::vector<std::string> added_;
-  std::unordered_map<std::string_view, int64_t> added_index_;
+  std::unordered_map<std::string_view, int64_t, Hasher> added_index_;
   std::vector<size_t> added_lengths_[256];  // by first byte, longest first
   int64_t byte_id_[256];
   int64_t unk_id_;
