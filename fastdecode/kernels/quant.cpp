@@ -55,6 +55,11 @@ using fastdecode::vset1;
 using fastdecode::vstore;
 using fastdecode::VW;
 using fastdecode::vzero;
+#ifdef __AVX512F__
+using fastdecode::row_pair_sums;
+using fastdecode::store_row_pairs;
+using fastdecode::tile_halves;
+#endif
 
 // The int4 arithmetic, for every output (activation row m, weight row n), whatever kernel computes it (the AVX2/VNNI
 // ones below or the AMX tiles of amx.cpp, which reproduce it bit for bit): each block b of 32 gives an exact integer
@@ -142,24 +147,94 @@ void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
   }
 }
 
-// All M rows against tile t: groups of 8 rows, then the rest in one or two passes. AVX-512's 32 registers hold a
-// pass of up to 4 rows (its 4 weight rows' nibbles, 2 accumulators a row), which shares each weight load among them
-// and beats a group of 4's row-at-a-time passes (SmolLM2's matmuls for a token at 4 rows: 8.5 ms against 9.7,
-// bench/results/batch-q4-pass4); AVX2's 16 take groups of 4 and passes of up to 2.
-void q4_tile(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, const float* xt, int64_t M, int64_t N,
-             int64_t t, float* y) {
-  const int64_t row_xs = K / 64 * 16, group_xt = K / 64 * 8;
+#ifdef __AVX512F__
+// R activation rows (chunk_rows' layout; q4_tile takes 8) against a tile of 4 weight rows without horizontal sums.
+// Per pair of blocks the tile's 32 weight dwords are rearranged once into 4 registers whose 128-bit lane r is weight
+// row r: (dword k of block b, dword k of b+1) twice, the second copy shifted to its high nibbles, so that lanes
+// (b, b+1, b, b+1) meet an activation row's chunk quad k. Four vpdpbusd leave the exact block sums of all 4 weight
+// rows in two lanes each; pairs of activation rows then share the rest (row_pair_sums), the float work running on
+// tile_halves' lanes. q4_rows spends 3 hadds per weight row and 4 activation rows instead. The integers, scales and
+// FMA chains are q4_rows' and q4_mins': the same outputs, bit for bit. 8 rows: 6.8 cycles a row and pair of blocks
+// against 11.3 for q4_rows<2> (Sapphire Rapids, tiles in L2); SmolLM2's matmuls for a token at 8 rows 8.8 ms against
+// 11.2 (bench/matmuls.py, 30 copies of each).
+template <int R>
+void q4_rows_t(const uint8_t* w, int64_t K, const int8_t* xk, const float* xd, const float* xsx, int64_t N, int64_t t,
+               float* y) {
+  const int64_t pairs = K / 64;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4);
+  __m512i pick[4];  // weight row r's dwords k (block b) and 4 + k (b+1), twice; rows 0, 1 from one source, 2, 3 (+16)
+  for (int k = 0; k < 4; ++k)
+    pick[k] = _mm512_setr_epi32(k, 4 + k, k, 4 + k, 8 + k, 12 + k, 8 + k, 12 + k, 16 + k, 20 + k, 16 + k, 20 + k,
+                                24 + k, 28 + k, 24 + k, 28 + k);
+  __m512 acc[R / 2], acc_min[R / 2];
+  for (int j = 0; j < R / 2; ++j) acc[j] = acc_min[j] = _mm512_setzero_ps();
+#pragma GCC unroll 1
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint8_t* wp = w + 160 * p;
+    prefetch_stream(wp, 160);
+    const __m512 d = tile_halves(wp), mins = tile_halves(wp + 16);
+    const __m512i r01 = _mm512_loadu_si512(wp + 32), r23 = _mm512_loadu_si512(wp + 96);
+    __m512i c[4];
+    for (int k = 0; k < 4; ++k)
+      c[k] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutex2var_epi32(r01, pick[k], r23), shifts), low4);
+#pragma GCC unroll 4
+    for (int j = 0; j < R / 2; ++j) {
+      __m512i s[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m128i* x = reinterpret_cast<const __m128i*>(xk + 64 * ((2 * j + h) * pairs + p));
+        s[h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_broadcast_i32x4(_mm_loadu_si128(x)));
+        for (int k = 1; k < 4; ++k)
+          s[h] = _mm512_dpbusd_epi32(s[h], c[k], _mm512_broadcast_i32x4(_mm_loadu_si128(x + k)));
+      }
+      const int64_t q = 4 * (j * pairs + p);
+      const __m512 scale = _mm512_mul_ps(d, _mm512_broadcast_f32x4(_mm_loadu_ps(xd + q)));
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_pair_sums(s[0], s[1])), scale, acc[j]);
+      acc_min[j] = _mm512_fmadd_ps(mins, _mm512_broadcast_f32x4(_mm_loadu_ps(xsx + q)), acc_min[j]);
+    }
+  }
+  store_row_pairs<R>(acc, acc_min, N, t, y);
+}
+#endif
+
+// The activation rows as q4_tile reads them: xq and xs (quantize_rows) of every row; for its groups of rows, xk, xd and
+// xsx (chunk_rows) in an AVX-512 build, xt (quantize_rows_grouped) in an AVX2 one.
+struct Q4Rows {
+  const int8_t* xq;
+  const float* xs;
+  const float* xt;
+  const int8_t* xk;
+  const float* xd;
+  const float* xsx;
+};
+
+// All M rows against tile t. AVX-512: groups of 8 rows with q4_rows_t, then passes of up to 4 rows (its 32
+// registers hold a pass's 4 weight rows' nibbles and 2 accumulators a row). A group of 4 did no better than a pass
+// of 4 where the weights stream from memory (SmolLM2's matmuls for a token at 4 rows, 30 copies of each: 6.66 ms
+// against 6.14, bench/matmuls.py). AVX2 (16 registers): groups of 8 and 4 with q4_rows, then passes of up to 2.
+void q4_tile(const uint8_t* w, int64_t K, const Q4Rows& x, int64_t M, int64_t N, int64_t t, float* y) {
+  const int64_t pairs = K / 64, row_xs = pairs * 16, group_xt = pairs * 8;
   int64_t m = 0;
-  for (; M - m >= 8; m += 8) q4_rows<2>(w, K, xq + m * K, xs + m * row_xs, xt + m / 4 * group_xt, N, t, y + m * N);
+#ifdef __AVX512F__
+  const auto group = [&](auto rows) {
+    q4_rows_t<decltype(rows)::value>(w, K, x.xk + m * K, x.xd + m * pairs * 2, x.xsx + m * pairs * 2, N, t,
+                                     y + m * N);
+    m += decltype(rows)::value;
+  };
+  while (M - m >= 8) group(std::integral_constant<int, 8>{});
+#else
+  for (; M - m >= 8; m += 8)
+    q4_rows<2>(w, K, x.xq + m * K, x.xs + m * row_xs, x.xt + m / 4 * group_xt, N, t, y + m * N);
+#endif
   const auto pass = [&](auto rows) {
-    q4_pass<decltype(rows)::value>(w, K, xq + m * K, xs + m * row_xs, N, t, y + m * N);
+    q4_pass<decltype(rows)::value>(w, K, x.xq + m * K, x.xs + m * row_xs, N, t, y + m * N);
     m += decltype(rows)::value;
   };
   if constexpr (VW == 16) {
     if (M - m >= 4) pass(std::integral_constant<int, 4>{});
     if (M - m == 3) pass(std::integral_constant<int, 3>{});
   } else if (M - m >= 4) {
-    q4_rows<1>(w, K, xq + m * K, xs + m * row_xs, xt + m / 4 * group_xt, N, t, y + m * N);
+    q4_rows<1>(w, K, x.xq + m * K, x.xs + m * row_xs, x.xt + m / 4 * group_xt, N, t, y + m * N);
     m += 4;
   }
   if (M - m >= 2) pass(std::integral_constant<int, 2>{});
@@ -323,6 +398,54 @@ void q8_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, con
   }
 }
 
+#ifdef __AVX512F__
+// R activation rows (4 or 8, chunk_rows' layout) against a pair tile of 4 weight rows, as q4_rows_t does for int4:
+// per pair of blocks each weight row's 16 dwords (chunks 0-3 of b, of b+1, chunks 4-7 of b, of b+1) are rearranged
+// once into 4 registers whose 128-bit lane r holds row r's dwords k, 4 + k, 8 + k, 12 + k, the weights an activation
+// row's chunk quad k meets. The integers, scales and FMA chains are q8_pass's: the same outputs, bit for bit.
+template <int R>
+void q8_rows_t(const uint8_t* w, int64_t K, const int8_t* xk, const float* xd, const int32_t* xcq, int64_t N,
+               int64_t t, float* y) {
+  const int64_t pairs = K / 64;
+  const __m512i sign = _mm512_set1_epi8(-128);  // q ^ 0x80 = q + 128
+  // two rows' quads k and k + 1 -> lanes (first row k, second row k, first row k + 1, second row k + 1)
+  const __m512i quads01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+  const __m512i quads23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+  __m512 acc[R / 2];
+  for (int j = 0; j < R / 2; ++j) acc[j] = _mm512_setzero_ps();
+#pragma GCC unroll 1
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint8_t* wp = w + Q8_PAIR * p;
+    prefetch_stream(wp, Q8_PAIR);
+    const __m512 d = tile_halves(wp);
+    __m512i row[4];
+    for (int r = 0; r < 4; ++r) row[r] = _mm512_xor_si512(_mm512_loadu_si512(wp + 16 + 64 * r), sign);
+    const __m512i a01 = _mm512_permutex2var_epi32(row[0], quads01, row[1]);
+    const __m512i b01 = _mm512_permutex2var_epi32(row[2], quads01, row[3]);
+    const __m512i a23 = _mm512_permutex2var_epi32(row[0], quads23, row[1]);
+    const __m512i b23 = _mm512_permutex2var_epi32(row[2], quads23, row[3]);
+    const __m512i c[4] = {_mm512_shuffle_i64x2(a01, b01, 0x44), _mm512_shuffle_i64x2(a01, b01, 0xEE),
+                          _mm512_shuffle_i64x2(a23, b23, 0x44), _mm512_shuffle_i64x2(a23, b23, 0xEE)};
+#pragma GCC unroll 4
+    for (int j = 0; j < R / 2; ++j) {
+      __m512i s[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m128i* x = reinterpret_cast<const __m128i*>(xk + 64 * ((2 * j + h) * pairs + p));
+        s[h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_broadcast_i32x4(_mm_loadu_si128(x)));
+        for (int k = 1; k < 4; ++k)
+          s[h] = _mm512_dpbusd_epi32(s[h], c[k], _mm512_broadcast_i32x4(_mm_loadu_si128(x + k)));
+      }
+      const int64_t q = 4 * (j * pairs + p);
+      const __m512i sums = _mm512_sub_epi32(row_pair_sums(s[0], s[1]),
+                                            _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xcq + q))));
+      const __m512 scale = _mm512_mul_ps(d, _mm512_broadcast_f32x4(_mm_loadu_ps(xd + q)));
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[j]);
+    }
+  }
+  store_row_pairs<R>(acc, nullptr, N, t, y);
+}
+#endif
+
 }  // namespace
 
 namespace fastdecode {
@@ -351,9 +474,17 @@ void q8_pairs(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N,
     fastdecode::amx_linear(fastdecode::AmxFormat::Q8, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
     if (amx_cols == N) return;
   }
-  fastdecode::pair_tiles_linear(X, M, K, W, tile_bytes, amx_cols / 4, N, B, Y,
-                                [&](auto rows, const uint8_t* w, const int8_t* xq, const float* xs, const int32_t* xc,
-                                    int64_t t, float* y) { q8_pass<decltype(rows)::value>(w, K, xq, xs, xc, N, t, y); });
+  const auto pass = [&](auto rows, const uint8_t* w, const int8_t* xq, const float* xs, const int32_t* xc, int64_t t,
+                        float* y) { q8_pass<decltype(rows)::value>(w, K, xq, xs, xc, N, t, y); };
+#ifdef __AVX512F__
+  fastdecode::pair_tiles_linear(X, M, K, W, tile_bytes, amx_cols / 4, N, B, Y, pass,
+                                [&](auto rows, const uint8_t* w, const int8_t* xk, const float* xd,
+                                    const int32_t* xcq, int64_t t, float* y) {
+                                  q8_rows_t<decltype(rows)::value>(w, K, xk, xd, xcq, N, t, y);
+                                });
+#else
+  fastdecode::pair_tiles_linear(X, M, K, W, tile_bytes, amx_cols / 4, N, B, Y, pass);
+#endif
 }
 
 // w (N/4, K/32, 144) uint8, weight-only (the activations stay float), or Q8_0's pair tiles (N/4, K/64, 272).
@@ -421,13 +552,23 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   int8_t* XQ = xq.data_ptr<int8_t>();
   float *XS = xs.data_ptr<float>(), *XT = xt.data_ptr<float>();
   quantize_rows_grouped(X, M, K, XQ, XS, XT);
+  Q4Rows rows{XQ, XS, XT, nullptr, nullptr, nullptr};
+#ifdef __AVX512F__
+  const int64_t grouped = M / 8 * 8;  // the rows q4_rows_t takes
+  const at::Tensor xk = at::empty({grouped, K}, xq.options()), xd = at::empty({2, grouped, pairs, 2}, xs.options());
+  rows.xk = xk.data_ptr<int8_t>();
+  rows.xd = xd.data_ptr<float>();
+  rows.xsx = rows.xd + grouped * pairs * 2;
+  fastdecode::chunk_rows(XQ, XS, nullptr, grouped, pairs, xk.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                         xd.data_ptr<float>() + grouped * pairs * 2, nullptr);
+#endif
   const int64_t tile_bytes = K / 64 * 160;
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
   at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       // The next tile whole where a group of rows reads this one several times; a single pass streams its own.
-      if (M >= (VW == 16 ? 8 : 3) && t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);
-      q4_tile(W + t * tile_bytes, K, XQ, XS, XT, M, N, t, Y);
+      if (VW == 8 && M >= 3 && t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);
+      q4_tile(W + t * tile_bytes, K, rows, M, N, t, Y);
       if (B)
         for (int64_t m = 0; m < M; ++m)
           for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] += B[4 * t + r];

@@ -90,6 +90,57 @@ inline void quantize_rows_plain(const float* x, int64_t blocks, int8_t* xq, floa
   }
 }
 
+#ifdef __AVX512F__
+// The activation rows as the chunked kernels (q4_rows_t, q8_rows_t) read them, for a number of rows that is even:
+// - xk (rows, K): per row and pair of blocks, 4 chunk quads of 16 bytes, quad k the 4 values of each of: block b at
+//   4k.., b+1 at 4k.., b at 16+4k.., b+1 at 16+4k.. (a 4 x 4 transpose of quantize_rows' dwords);
+// - per pair of rows and pair of blocks, quads of 4 values, (block b, block b+1) of the first row, then of the second:
+//   xd the blocks' d_x; xsx (if given) their s = d sum(q), the weight mins' factors; xcq (if given) 128 sum(q) as
+//   int32, what unsigned weights (q + 128) add to the block sums.
+inline void chunk_rows(const int8_t* xq, const float* xs, const int32_t* xc, int64_t rows, int64_t pairs, int8_t* xk,
+                       float* xd, float* xsx, int32_t* xcq) {
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int64_t i = 0; i < rows * pairs; ++i)
+    _mm512_storeu_si512(xk + 64 * i, _mm512_permutexvar_epi32(order, _mm512_loadu_si512(xq + 64 * i)));
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t i = m * pairs + p, o = ((m / 2) * pairs + p) * 4 + 2 * (m % 2);
+      xd[o] = xs[16 * i], xd[o + 1] = xs[16 * i + 4];
+      if (xsx) xsx[o] = xs[16 * i + 8], xsx[o + 1] = xs[16 * i + 9];
+      if (xcq) xcq[o] = xc[8 * i], xcq[o + 1] = xc[8 * i + 4];
+    }
+}
+
+// The lanes of a chunked kernel's float work, (weight row r, activation row h, block parity) = 4 r + 2 h + parity:
+// one pair of blocks' 8 fp16 (d or the mins) of the tile, stored in (row, parity) order, put there.
+inline __m512 tile_halves(const uint8_t* h) {
+  const __m512i by_lane = _mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7);
+  return _mm512_permutexvar_ps(by_lane, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h))));
+}
+
+// Two activation rows' sums over a pair of blocks (s0, s1: 128-bit lane r for weight row r, its lanes the chunk
+// quad's (b, b+1, b, b+1)) -> the block sums in lanes (r, h, parity): each block's low and high chunks added.
+inline __m512i row_pair_sums(__m512i s0, __m512i s1) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s0, s1), _mm512_unpackhi_epi64(s0, s1));
+}
+
+// One chunked group's outputs: acc (and mins, if given) per pair of rows in the lanes above -> y, each output
+// E + O (+ ME + MO), the order of the row-at-a-time kernels.
+template <int R>
+inline void store_row_pairs(const __m512* acc, const __m512* mins, int64_t N, int64_t t, float* y) {
+  for (int j = 0; j < R / 2; ++j) {
+    alignas(64) float a[16], mn[16];
+    _mm512_store_ps(a, acc[j]);
+    if (mins) _mm512_store_ps(mn, mins[j]);
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < 4; ++r) {
+        const int e = 4 * r + 2 * h;  // E, then O in the next lane
+        y[(2 * j + h) * N + 4 * t + r] = mins ? a[e] + a[e + 1] + mn[e] + mn[e + 1] : a[e] + a[e + 1];
+      }
+  }
+}
+#endif
+
 // Row r's (block b, block b+1) scales out of a pair's 8 (row, block) lanes: b's into lanes 0-3, b+1's into 4-7, as
 // the pair's dot products come out of vpmaddwd.
 inline __m256i row_scales(int r) {
@@ -159,11 +210,12 @@ inline __m256i pair_dot(const uint8_t* wq, const int8_t* x) {
 // quantize_rows (with xc), then tiles [t_first, N/4) of 4 output rows, spread over the threads, each taking all the
 // rows in passes of up to PASS_ROWS (AVX2's 16 registers: 2): pass(n, w, xq, xs, xc, t, y) for n rows from the
 // pointers given. A pass of one or two rows streams its tile itself (prefetch_stream); for more the next tile is
-// fetched whole. Then the bias.
+// fetched whole. An AVX-512 build given `group` hands it groups of 8 and 4 rows first, chunked (chunk_rows):
+// group(n, w, xk, xd, xcq, t, y). Then the bias.
 constexpr int PASS_ROWS = VW == 16 ? 4 : 2;
-template <typename Pass>
+template <typename Pass, typename Group = std::nullptr_t>
 void pair_tiles_linear(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes, int64_t t_first,
-                       int64_t N, const float* B, float* Y, Pass pass) {
+                       int64_t N, const float* B, float* Y, Pass pass, Group group = nullptr) {
   const int64_t pairs = K / 64;
   std::vector<int8_t> xq(M * K);
   std::vector<float> xs(M * pairs * 16);
@@ -172,12 +224,29 @@ void pair_tiles_linear(const float* X, int64_t M, int64_t K, const uint8_t* W, i
     for (int64_t m = m0; m < m1; ++m)
       quantize_rows(X + m * K, K / 32, xq.data() + m * K, xs.data() + m * pairs * 16, xc.data() + m * pairs * 8);
   });
+  constexpr bool grouping = !std::is_same_v<Group, std::nullptr_t> && VW == 16;
+  const int64_t grouped = grouping ? M / 4 * 4 : 0;
+  std::vector<int8_t> xk(grouped * K);
+  std::vector<float> xd(grouped * pairs * 2);
+  std::vector<int32_t> xcq(grouped * pairs * 2);
+#ifdef __AVX512F__
+  if (grouped)
+    chunk_rows(xq.data(), xs.data(), xc.data(), grouped, pairs, xk.data(), xd.data(), nullptr, xcq.data());
+#endif
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
   at::parallel_for(t_first, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* w = W + t * tile_bytes;
-      if (M > PASS_ROWS && t + 1 < t1) prefetch(w + tile_bytes, tile_bytes);
+      if (M > PASS_ROWS && !grouped && t + 1 < t1) prefetch(w + tile_bytes, tile_bytes);
       int64_t m = 0;
+      if constexpr (grouping) {
+        const auto run = [&](auto rows) {
+          group(rows, w, xk.data() + m * K, xd.data() + m * pairs * 2, xcq.data() + m * pairs * 2, t, Y + m * N);
+          m += decltype(rows)::value;
+        };
+        while (M - m >= 8) run(std::integral_constant<int, 8>{});
+        if (M - m >= 4) run(std::integral_constant<int, 4>{});
+      }
       const auto run = [&](auto rows) {
         pass(rows, w, xq.data() + m * K, xs.data() + m * pairs * 16, xc.data() + m * pairs * 8, t, Y + m * N);
         m += decltype(rows)::value;

@@ -32,7 +32,7 @@ def test_the_kernels_take_the_widest_build_unless_told_to_stay_narrow(monkeypatc
 
 
 @wide
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11, 40])  # 40: AMX tiles where the CPU has them
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 40])  # 40: AMX tiles where the CPU has them
 def test_the_wide_build_computes_integer_matmuls_bit_for_bit_and_weight_only_int8_to_rounding(rows):
     narrow, wide_ops = native_ops_for("avx2"), native_ops_for("avx512")
     g = torch.Generator().manual_seed(rows)
