@@ -44,6 +44,13 @@ using fastdecode::prefetch;
 using fastdecode::prefetch_stream;
 using fastdecode::prefetch_stream_l1;
 using fastdecode::row_scales;
+#ifdef __AVX512F__
+using fastdecode::chunk_rows;
+using fastdecode::nibble_quads;
+using fastdecode::row_pair_lanes;
+using fastdecode::row_pair_sums;
+using fastdecode::store_row_pairs;
+#endif
 
 constexpr int64_t QK_K = 256;
 constexpr int64_t Q4K_BYTES = 592, Q5K_BYTES = 720, Q6K_BYTES = 840;
@@ -185,14 +192,70 @@ void kq_rows(const Call& c, const float* xt) {
   kq_mins<4 * G, Q5>(c);
 }
 
-// All M rows of a Q4_K or Q5_K tile: groups of 8 and 4 rows, the last 1-3 in one pass.
+#ifdef __AVX512F__
+// 8 activation rows (chunk_rows' layout: xk, xd, xsx) against a Q4_K or Q5_K tile, as quant.cpp's q4_rows_t does for
+// int4: per pair of sub-blocks the 4 weight rows' nibbles (and fifth bits) are rearranged once (nibble_quads), four
+// vpdpbusd leave each row's exact sub-block sums in lanes, and pairs of activation rows share the float work. The
+// integers, scales (d * sc, then times d_x) and FMA chains (the mins' with dmin * m) are kq_rows' and kq_mins': the
+// same outputs, bit for bit.
 template <bool Q5>
-void pair_tile(Call c, int64_t M, const float* xt) {
-  const int64_t group_xt = c.K / 64 * 8;
+void kq_rows_t(const Call& c, const int8_t* xk, const float* xd, const float* xsx) {
+  constexpr int R = 8;
+  constexpr int64_t bytes = Q5 ? Q5K_BYTES : Q4K_BYTES, qoff = Q5 ? 208 : 80;
+  const int64_t pairs = c.K / 64;
+  __m512 acc[R / 2], acc_min[R / 2];
+  for (int j = 0; j < R / 2; ++j) acc[j] = acc_min[j] = _mm512_setzero_ps();
+  const uint8_t* w = c.w;
+  for (int64_t sb = 0; sb < c.sbs; ++sb, w += bytes) {
+    prefetch_stream(w, bytes);
+    const __m256 d = row_pairs(w), dmin = row_pairs(w + 8);
+#pragma GCC unroll 1
+    for (int p = 0; p < 4; ++p) {
+      const int64_t pair = 4 * sb + p;
+      const __m512 scale = row_pair_lanes(_mm256_mul_ps(d, u8_floats(w + 16 + 8 * p)));
+      const __m512 mins = row_pair_lanes(_mm256_mul_ps(dmin, u8_floats(w + 48 + 8 * p)));
+      __m512i q[4];
+      nibble_quads(w + qoff + 128 * p, q, Q5 ? w + 80 : nullptr, 2 * p);
+#pragma GCC unroll 4
+      for (int j = 0; j < R / 2; ++j) {
+        __m512i s[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m128i* x = reinterpret_cast<const __m128i*>(xk + 64 * ((2 * j + h) * pairs + pair));
+          s[h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], _mm512_broadcast_i32x4(_mm_loadu_si128(x)));
+          for (int k = 1; k < 4; ++k)
+            s[h] = _mm512_dpbusd_epi32(s[h], q[k], _mm512_broadcast_i32x4(_mm_loadu_si128(x + k)));
+        }
+        const int64_t o = 4 * (j * pairs + pair);
+        const __m512 scaled = _mm512_mul_ps(scale, _mm512_broadcast_f32x4(_mm_loadu_ps(xd + o)));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_pair_sums(s[0], s[1])), scaled, acc[j]);
+        acc_min[j] = _mm512_fnmadd_ps(mins, _mm512_broadcast_f32x4(_mm_loadu_ps(xsx + o)), acc_min[j]);
+      }
+    }
+  }
+  store_row_pairs<R>(acc, acc_min, c.N, c.t, c.y);
+}
+#endif
+
+// The chunked activation rows (chunk_rows) of the groups kq_rows_t takes, where the build has it.
+struct Chunked {
+  const int8_t* xk;
+  const float *xd, *xsx;
+};
+
+// All M rows of a Q4_K or Q5_K tile: groups of 8 rows (kq_rows_t in an AVX-512 build) and 4, the last 1-3 in one
+// pass.
+template <bool Q5>
+void pair_tile(Call c, int64_t M, const float* xt, Chunked ch) {
+  const int64_t pairs = c.K / 64, group_xt = pairs * 8;
   const auto advance = [&](int64_t rows) {
     c.xq += rows * c.K, c.xs += rows * c.xs_row, c.y += rows * c.N, xt += rows / 4 * group_xt, M -= rows;
+    if (ch.xk) ch.xk += rows * c.K, ch.xd += rows * pairs * 2, ch.xsx += rows * pairs * 2;
   };
+#ifdef __AVX512F__
+  for (; M >= 8; advance(8)) kq_rows_t<Q5>(c, ch.xk, ch.xd, ch.xsx);
+#else
   for (; M >= 8; advance(8)) kq_rows<2, Q5>(c, xt);
+#endif
   if (M >= 4) kq_rows<1, Q5>(c, xt), advance(4);
   if (M >= 2) kq_pass<2, Q5>(c), advance(2);
   if (M == 1) kq_pass<1, Q5>(c);
@@ -315,13 +378,23 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const at::Tensor xt = at::empty({q6 ? 0 : M / 4, K / 64, 8}, x2d.options());
   if (q6) quantize_rows_plain(X, M * K / 32, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
   else quantize_rows_grouped(X, M, K, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xt.data_ptr<float>());
+  Chunked chunked{nullptr, nullptr, nullptr};
+#ifdef __AVX512F__
+  const int64_t grouped = q6 ? 0 : M / 8 * 8;  // the rows kq_rows_t takes
+  const at::Tensor xk = at::empty({grouped, K}, xq.options()), xd = at::empty({2, grouped, K / 64, 2}, xs.options());
+  if (grouped) {
+    chunked = {xk.data_ptr<int8_t>(), xd.data_ptr<float>(), xd.data_ptr<float>() + grouped * K / 32};
+    chunk_rows(xq.data_ptr<int8_t>(), xs.data_ptr<float>(), nullptr, grouped, K / 64, xk.data_ptr<int8_t>(),
+               xd.data_ptr<float>(), xd.data_ptr<float>() + grouped * K / 32, nullptr);
+  }
+#endif
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
   at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       if (M > 2 && t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);  // else one pass streams it
       const Call c{W + t * tile_bytes, K / QK_K, K, N, t, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xs_row, Y};
-      if (bytes == Q4K_BYTES) pair_tile<false>(c, M, xt.data_ptr<float>());
-      else if (bytes == Q5K_BYTES) pair_tile<true>(c, M, xt.data_ptr<float>());
+      if (bytes == Q4K_BYTES) pair_tile<false>(c, M, xt.data_ptr<float>(), chunked);
+      else if (bytes == Q5K_BYTES) pair_tile<true>(c, M, xt.data_ptr<float>(), chunked);
       else tile<Q6K>(c, M);
       if (B)
         for (int64_t m = 0; m < M; ++m)

@@ -56,6 +56,7 @@ using fastdecode::vstore;
 using fastdecode::VW;
 using fastdecode::vzero;
 #ifdef __AVX512F__
+using fastdecode::nibble_quads;
 using fastdecode::row_pair_sums;
 using fastdecode::store_row_pairs;
 using fastdecode::tile_halves;
@@ -149,9 +150,9 @@ void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
 
 #ifdef __AVX512F__
 // R activation rows (chunk_rows' layout; q4_tile takes 8) against a tile of 4 weight rows without horizontal sums.
-// Per pair of blocks the tile's 32 weight dwords are rearranged once into 4 registers whose 128-bit lane r is weight
-// row r: (dword k of block b, dword k of b+1) twice, the second copy shifted to its high nibbles, so that lanes
-// (b, b+1, b, b+1) meet an activation row's chunk quad k. Four vpdpbusd leave the exact block sums of all 4 weight
+// Per pair of blocks the tile's 32 weight dwords are rearranged once (nibble_quads) into 4 registers whose 128-bit
+// lane r is weight row r: (dword k of block b, dword k of b+1) twice, the second copy shifted to its high nibbles,
+// so that lanes (b, b+1, b, b+1) meet an activation row's chunk quad k. Four vpdpbusd leave the exact block sums of all 4 weight
 // rows in two lanes each; pairs of activation rows then share the rest (row_pair_sums), the float work running on
 // tile_halves' lanes. q4_rows spends 3 hadds per weight row and 4 activation rows instead. The integers, scales and
 // FMA chains are q4_rows' and q4_mins': the same outputs, bit for bit. 8 rows: 6.8 cycles a row and pair of blocks
@@ -161,12 +162,6 @@ template <int R>
 void q4_rows_t(const uint8_t* w, int64_t K, const int8_t* xk, const float* xd, const float* xsx, int64_t N, int64_t t,
                float* y) {
   const int64_t pairs = K / 64;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4);
-  __m512i pick[4];  // weight row r's dwords k (block b) and 4 + k (b+1), twice; rows 0, 1 from one source, 2, 3 (+16)
-  for (int k = 0; k < 4; ++k)
-    pick[k] = _mm512_setr_epi32(k, 4 + k, k, 4 + k, 8 + k, 12 + k, 8 + k, 12 + k, 16 + k, 20 + k, 16 + k, 20 + k,
-                                24 + k, 28 + k, 24 + k, 28 + k);
   __m512 acc[R / 2], acc_min[R / 2];
   for (int j = 0; j < R / 2; ++j) acc[j] = acc_min[j] = _mm512_setzero_ps();
 #pragma GCC unroll 1
@@ -174,10 +169,8 @@ void q4_rows_t(const uint8_t* w, int64_t K, const int8_t* xk, const float* xd, c
     const uint8_t* wp = w + 160 * p;
     prefetch_stream(wp, 160);
     const __m512 d = tile_halves(wp), mins = tile_halves(wp + 16);
-    const __m512i r01 = _mm512_loadu_si512(wp + 32), r23 = _mm512_loadu_si512(wp + 96);
     __m512i c[4];
-    for (int k = 0; k < 4; ++k)
-      c[k] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutex2var_epi32(r01, pick[k], r23), shifts), low4);
+    nibble_quads(wp + 32, c);
 #pragma GCC unroll 4
     for (int j = 0; j < R / 2; ++j) {
       __m512i s[2];

@@ -112,10 +112,35 @@ inline void chunk_rows(const int8_t* xq, const float* xs, const int32_t* xc, int
 }
 
 // The lanes of a chunked kernel's float work, (weight row r, activation row h, block parity) = 4 r + 2 h + parity:
-// one pair of blocks' 8 fp16 (d or the mins) of the tile, stored in (row, parity) order, put there.
-inline __m512 tile_halves(const uint8_t* h) {
+// one pair of blocks' 8 values of the tile in (row, parity) lanes put there; tile_halves: as 8 fp16 (d or the mins).
+inline __m512 row_pair_lanes(__m256 v) {
   const __m512i by_lane = _mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7);
-  return _mm512_permutexvar_ps(by_lane, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h))));
+  return _mm512_permutexvar_ps(by_lane, _mm512_castps256_ps512(v));
+}
+inline __m512 tile_halves(const uint8_t* h) {
+  return row_pair_lanes(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h)));
+}
+
+// 4 weight rows' 128 bytes of nibbles for a pair of blocks (32 a row: byte j = q[j] | q[j + 16] << 4 of block b, then
+// of b+1) -> the 4 registers of the chunked 4-bit kernels: quad k's 128-bit lane r holds row r's dwords k (block b)
+// and 4 + k (b+1) twice, as low nibbles, then as high ones: the values an activation row's chunk quad k meets.
+// With fifth bits (Q5_K: 32 bytes a row, bit `shift` of byte j for the low nibble of byte j, shift + 1 the high), the
+// values gain their bit 4.
+inline void nibble_quads(const uint8_t* q, __m512i c[4], const uint8_t* fifth = nullptr, int shift = 0) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4);
+  const __m512i r01 = _mm512_loadu_si512(q), r23 = _mm512_loadu_si512(q + 64);
+  for (int k = 0; k < 4; ++k) {
+    // row r's dwords k and 4 + k, twice; rows 0, 1 from the first source, 2, 3 from the second (+16)
+    const __m512i pick = _mm512_add_epi32(_mm512_setr_epi32(0, 4, 0, 4, 8, 12, 8, 12, 16, 20, 16, 20, 24, 28, 24, 28),
+                                          _mm512_set1_epi32(k));
+    c[k] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutex2var_epi32(r01, pick, r23), shifts), low4);
+    if (fifth) {
+      const __m512i f = _mm512_permutex2var_epi32(_mm512_loadu_si512(fifth), pick, _mm512_loadu_si512(fifth + 64));
+      const __m512i bits = _mm512_srlv_epi32(f, _mm512_add_epi32(_mm512_srli_epi32(shifts, 2), _mm512_set1_epi32(shift)));
+      c[k] = _mm512_or_si512(c[k], _mm512_and_si512(_mm512_slli_epi32(bits, 4), bit4));
+    }
+  }
 }
 
 // Two activation rows' sums over a pair of blocks (s0, s1: 128-bit lane r for weight row r, its lanes the chunk
