@@ -238,8 +238,8 @@ void kq_rows_t(const Call& c, const int8_t* xk, const float* xd, const float* xs
 
 // The chunked activation rows (chunk_rows) of the groups kq_rows_t takes, where the build has it.
 struct Chunked {
-  const int8_t* xk;
-  const float *xd, *xsx;
+  int8_t* xk;
+  float *xd, *xsx;
 };
 
 // All M rows of a Q4_K or Q5_K tile: groups of 8 rows (kq_rows_t in an AVX-512 build) and 4, the last 1-3 in one
@@ -308,6 +308,93 @@ void q6_rows(const Call& c, int r0) {
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) c.y[m * c.N + 4 * c.t + r0 + r] = hsum(acc[m][r]);
 }
+
+#ifdef __AVX512F__
+// Q6_K for 8 activation rows without horizontal sums. A super-block's 16 sub-blocks of 16 weights sit in the lanes
+// of a register, in q6_rows' accumulator order: lanes 0-7 the first half's sub-blocks 0, 2, 4, 6, 1, 3, 5, 7, lanes
+// 8-15 the second half's. Per weight row and super-block the 256 unpacked values are rearranged once into 4
+// registers, register k holding dword k of each lane's sub-block; an activation row's 4 registers (q6_chunk_rows)
+// hold its values the same way, so 4 vpdpbusd leave each lane's exact sub-block sum. The -32 offset is taken off the
+// sums as 32 sum(x) a sub-block. Each half then joins the row's accumulator as in q6_rows (the first half's lanes,
+// then the second's): the same integers, scales and FMA chains, the same outputs bit for bit, where q6_rows spends 3
+// hadds and 8 vpdpbusd per 128 weights and row.
+constexpr int Q6_CLASS[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // lane -> sub-block of its half
+
+// Rows (K, element order, quantize_rows_plain) -> per row and super-block: xk 4 x 64 bytes as above, corr (16 int32)
+// 32 sum(x) of each lane's sub-block, dx (16 floats) each lane's block d_x.
+void q6_chunk_rows(const int8_t* xq, const float* xd, int64_t rows, int64_t K, int8_t* xk, int32_t* corr, float* dx) {
+  const int64_t sbs = K / QK_K;
+  for (int64_t i = 0; i < rows * sbs; ++i) {
+    const int8_t* x = xq + 256 * i;
+    int32_t* xw = reinterpret_cast<int32_t*>(xk + 256 * i);
+    for (int lane = 0; lane < 16; ++lane) {
+      const int sub = 8 * (lane / 8) + Q6_CLASS[lane % 8];  // of the super-block
+      int32_t sum = 0;
+      for (int e = 0; e < 16; ++e) sum += x[16 * sub + e];
+      corr[16 * i + lane] = 32 * sum;
+      dx[16 * i + lane] = xd[8 * i + sub / 2];
+      for (int k = 0; k < 4; ++k) std::memcpy(xw + 16 * k + lane, x + 16 * sub + 4 * k, 4);
+    }
+  }
+}
+
+void q6_rows_t(const Call& c, const int8_t* xk, const int32_t* corr, const float* dx) {
+  constexpr int R = 8;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  // the high bit pairs of q0 | q1 (qh << 4, qh << 2) and of q2 | q3 (qh, qh >> 2), as q6_rows takes them
+  const __m512i lo_shift = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
+  const __m512i hi_shift = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+  __m512i pick[4];  // dword k of each lane's sub-block, from the half's (q0 | q1, q2 | q3)
+  for (int k = 0; k < 4; ++k) {
+    alignas(64) int32_t idx[16];
+    for (int lane = 0; lane < 16; ++lane) {
+      const int sub = Q6_CLASS[lane % 8];
+      idx[lane] = (sub >= 4 ? 16 : 0) + 4 * (sub % 4) + k;
+    }
+    pick[k] = _mm512_load_si512(idx);
+  }
+  const __m128i by_class = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  for (int r = 0; r < 4; ++r) {
+    __m256 acc[R];
+    for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps();
+    const uint8_t* w = c.w;
+    for (int64_t sb = 0; sb < c.sbs; ++sb, w += Q6K_BYTES) {
+      if (r == 0) prefetch_stream_l1(w, Q6K_BYTES);
+      __m512i half[2][2];  // per half: values 0-63 (q0 | q1), 64-127 (q2 | q3)
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* qp = w + 72 + 384 * h + 96 * r;
+        const __m512i ql = _mm512_loadu_si512(qp);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qp + 64)));
+        half[h][0] = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                     _mm512_and_si512(_mm512_sllv_epi64(qh, lo_shift), bits45));
+        half[h][1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                     _mm512_and_si512(_mm512_srlv_epi64(qh, hi_shift), bits45));
+      }
+      __m512i q[4];
+      for (int k = 0; k < 4; ++k)
+        q[k] = _mm512_mask_blend_epi32(0xFF00, _mm512_permutex2var_epi32(half[0][0], pick[k], half[0][1]),
+                                       _mm512_permutex2var_epi32(half[1][0], pick[k], half[1][1]));
+      // d * sc of each lane's sub-block: the halves' 8 scales of row r, in lane order
+      const __m128i sc = _mm_shuffle_epi8(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(w + 8 + 8 * r)),
+                                                             _mm_loadl_epi64((const __m128i*)(w + 40 + 8 * r))),
+                                          by_class);
+      const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(fp16(w + 2 * r)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m) {
+        const int64_t i = m * c.sbs + sb;
+        const __m512i* x = reinterpret_cast<const __m512i*>(xk + 256 * i);
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], _mm512_loadu_si512(x));
+        for (int k = 1; k < 4; ++k) s = _mm512_dpbusd_epi32(s, q[k], _mm512_loadu_si512(x + k));
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(s, _mm512_loadu_si512(corr + 16 * i)));
+        const __m512 scaled = _mm512_mul_ps(dsc, _mm512_loadu_ps(dx + 16 * i));
+        acc[m] = _mm256_fmadd_ps(_mm512_castps512_ps256(v), _mm512_castps512_ps256(scaled), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(v, 1), _mm512_extractf32x8_ps(scaled, 1), acc[m]);
+      }
+    }
+    for (int m = 0; m < R; ++m) c.y[m * c.N + 4 * c.t + r] = hsum(acc[m]);
+  }
+}
+#endif
 
 struct Q6K {
   template <int MR, int NR> static void run(const Call& c, int r0) { q6_rows<MR, NR>(c, r0); }
@@ -378,15 +465,20 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const at::Tensor xt = at::empty({q6 ? 0 : M / 4, K / 64, 8}, x2d.options());
   if (q6) quantize_rows_plain(X, M * K / 32, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
   else quantize_rows_grouped(X, M, K, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xt.data_ptr<float>());
+  // The groups of 8 rows an AVX-512 build takes with kq_rows_t or q6_rows_t, their rows rearranged.
   Chunked chunked{nullptr, nullptr, nullptr};
+  int64_t grouped = 0;
+  at::Tensor xk, xd, corr;
 #ifdef __AVX512F__
-  const int64_t grouped = q6 ? 0 : M / 8 * 8;  // the rows kq_rows_t takes
-  const at::Tensor xk = at::empty({grouped, K}, xq.options()), xd = at::empty({2, grouped, K / 64, 2}, xs.options());
-  if (grouped) {
-    chunked = {xk.data_ptr<int8_t>(), xd.data_ptr<float>(), xd.data_ptr<float>() + grouped * K / 32};
-    chunk_rows(xq.data_ptr<int8_t>(), xs.data_ptr<float>(), nullptr, grouped, K / 64, xk.data_ptr<int8_t>(),
-               xd.data_ptr<float>(), xd.data_ptr<float>() + grouped * K / 32, nullptr);
-  }
+  grouped = M / 8 * 8;
+  xk = at::empty({grouped, K}, xq.options());
+  xd = at::empty({2, grouped, K / 32}, xs.options());  // Q6_K: the lanes' d_x; else chunk_rows' xd, then xsx
+  corr = at::empty({q6 ? grouped : 0, K / 16}, xs.options().dtype(at::kInt));
+  chunked = {xk.data_ptr<int8_t>(), xd.data_ptr<float>(), xd.data_ptr<float>() + grouped * K / 32};
+  if (q6) q6_chunk_rows(xq.data_ptr<int8_t>(), xs.data_ptr<float>(), grouped, K, chunked.xk, corr.data_ptr<int32_t>(),
+                        xd.data_ptr<float>());
+  else chunk_rows(xq.data_ptr<int8_t>(), xs.data_ptr<float>(), nullptr, grouped, K / 64, chunked.xk, chunked.xd,
+                  chunked.xsx, nullptr);
 #endif
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
   at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
@@ -395,7 +487,18 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
       const Call c{W + t * tile_bytes, K / QK_K, K, N, t, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xs_row, Y};
       if (bytes == Q4K_BYTES) pair_tile<false>(c, M, xt.data_ptr<float>(), chunked);
       else if (bytes == Q5K_BYTES) pair_tile<true>(c, M, xt.data_ptr<float>(), chunked);
-      else tile<Q6K>(c, M);
+      else {
+#ifdef __AVX512F__
+        for (int64_t m = 0; m < grouped; m += 8) {
+          Call part = c;
+          part.y += m * N;
+          q6_rows_t(part, chunked.xk + m * K, corr.data_ptr<int32_t>() + m * K / 16, chunked.xd + m * K / 16);
+        }
+#endif
+        Call rest = c;
+        rest.xq += grouped * K, rest.xs += grouped * xs_row, rest.y += grouped * N;
+        if (M > grouped) tile<Q6K>(rest, M - grouped);
+      }
       if (B)
         for (int64_t m = 0; m < M; ++m)
           for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] += B[4 * t + r];

@@ -152,12 +152,12 @@ void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
 // R activation rows (chunk_rows' layout; q4_tile takes 8) against a tile of 4 weight rows without horizontal sums.
 // Per pair of blocks the tile's 32 weight dwords are rearranged once (nibble_quads) into 4 registers whose 128-bit
 // lane r is weight row r: (dword k of block b, dword k of b+1) twice, the second copy shifted to its high nibbles,
-// so that lanes (b, b+1, b, b+1) meet an activation row's chunk quad k. Four vpdpbusd leave the exact block sums of all 4 weight
-// rows in two lanes each; pairs of activation rows then share the rest (row_pair_sums), the float work running on
-// tile_halves' lanes. q4_rows spends 3 hadds per weight row and 4 activation rows instead. The integers, scales and
-// FMA chains are q4_rows' and q4_mins': the same outputs, bit for bit. 8 rows: 6.8 cycles a row and pair of blocks
-// against 11.3 for q4_rows<2> (Sapphire Rapids, tiles in L2); SmolLM2's matmuls for a token at 8 rows 8.8 ms against
-// 11.2 (bench/matmuls.py, 30 copies of each).
+// so that lanes (b, b+1, b, b+1) meet an activation row's chunk quad k. Four vpdpbusd leave the exact block sums of
+// all 4 weight rows in two lanes each; pairs of activation rows then share the rest (row_pair_sums), the float work
+// running on tile_halves' lanes. q4_rows spends 3 hadds per weight row and 4 activation rows instead. The integers,
+// scales and FMA chains are q4_rows' and q4_mins': the same outputs, bit for bit. 8 rows: 6.8 cycles a row and pair
+// of blocks against 11.3 for q4_rows<2> (Sapphire Rapids, tiles in L2); SmolLM2's matmuls for a token at 8 rows
+// 8.8 ms against 11.2 (bench/matmuls.py, 30 copies of each).
 template <int R>
 void q4_rows_t(const uint8_t* w, int64_t K, const int8_t* xk, const float* xd, const float* xsx, int64_t N, int64_t t,
                float* y) {

@@ -137,7 +137,8 @@ inline void nibble_quads(const uint8_t* q, __m512i c[4], const uint8_t* fifth = 
     c[k] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutex2var_epi32(r01, pick, r23), shifts), low4);
     if (fifth) {
       const __m512i f = _mm512_permutex2var_epi32(_mm512_loadu_si512(fifth), pick, _mm512_loadu_si512(fifth + 64));
-      const __m512i bits = _mm512_srlv_epi32(f, _mm512_add_epi32(_mm512_srli_epi32(shifts, 2), _mm512_set1_epi32(shift)));
+      const __m512i at = _mm512_add_epi32(_mm512_srli_epi32(shifts, 2), _mm512_set1_epi32(shift));  // shift, shift + 1
+      const __m512i bits = _mm512_srlv_epi32(f, at);
       c[k] = _mm512_or_si512(c[k], _mm512_and_si512(_mm512_slli_epi32(bits, 4), bit4));
     }
   }
