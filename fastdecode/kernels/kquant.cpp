@@ -48,7 +48,7 @@ using fastdecode::row_scales;
 using fastdecode::chunk_rows;
 using fastdecode::nibble_quads;
 using fastdecode::row_pair_lanes;
-using fastdecode::row_pair_sums;
+using fastdecode::chunk_pair_sums;
 using fastdecode::store_row_pairs;
 #endif
 
@@ -218,16 +218,11 @@ void kq_rows_t(const Call& c, const int8_t* xk, const float* xd, const float* xs
       nibble_quads(w + qoff + 128 * p, q, Q5 ? w + 80 : nullptr, 2 * p);
 #pragma GCC unroll 4
       for (int j = 0; j < R / 2; ++j) {
-        __m512i s[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m128i* x = reinterpret_cast<const __m128i*>(xk + 64 * ((2 * j + h) * pairs + pair));
-          s[h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], _mm512_broadcast_i32x4(_mm_loadu_si128(x)));
-          for (int k = 1; k < 4; ++k)
-            s[h] = _mm512_dpbusd_epi32(s[h], q[k], _mm512_broadcast_i32x4(_mm_loadu_si128(x + k)));
-        }
+        const __m512i sums =
+            chunk_pair_sums(q, xk + 64 * (2 * j * pairs + pair), xk + 64 * ((2 * j + 1) * pairs + pair));
         const int64_t o = 4 * (j * pairs + pair);
         const __m512 scaled = _mm512_mul_ps(scale, _mm512_broadcast_f32x4(_mm_loadu_ps(xd + o)));
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_pair_sums(s[0], s[1])), scaled, acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scaled, acc[j]);
         acc_min[j] = _mm512_fnmadd_ps(mins, _mm512_broadcast_f32x4(_mm_loadu_ps(xsx + o)), acc_min[j]);
       }
     }

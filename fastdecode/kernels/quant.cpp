@@ -57,7 +57,7 @@ using fastdecode::VW;
 using fastdecode::vzero;
 #ifdef __AVX512F__
 using fastdecode::nibble_quads;
-using fastdecode::row_pair_sums;
+using fastdecode::chunk_pair_sums;
 using fastdecode::store_row_pairs;
 using fastdecode::tile_halves;
 #endif
@@ -153,7 +153,7 @@ void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
 // Per pair of blocks the tile's 32 weight dwords are rearranged once (nibble_quads) into 4 registers whose 128-bit
 // lane r is weight row r: (dword k of block b, dword k of b+1) twice, the second copy shifted to its high nibbles,
 // so that lanes (b, b+1, b, b+1) meet an activation row's chunk quad k. Four vpdpbusd leave the exact block sums of
-// all 4 weight rows in two lanes each; pairs of activation rows then share the rest (row_pair_sums), the float work
+// all 4 weight rows in two lanes each; pairs of activation rows then share the rest (chunk_pair_sums), the float work
 // running on tile_halves' lanes. q4_rows spends 3 hadds per weight row and 4 activation rows instead. The integers,
 // scales and FMA chains are q4_rows' and q4_mins': the same outputs, bit for bit. 8 rows: 6.8 cycles a row and pair
 // of blocks against 11.3 for q4_rows<2> (Sapphire Rapids, tiles in L2); SmolLM2's matmuls for a token at 8 rows
@@ -173,16 +173,10 @@ void q4_rows_t(const uint8_t* w, int64_t K, const int8_t* xk, const float* xd, c
     nibble_quads(wp + 32, c);
 #pragma GCC unroll 4
     for (int j = 0; j < R / 2; ++j) {
-      __m512i s[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m128i* x = reinterpret_cast<const __m128i*>(xk + 64 * ((2 * j + h) * pairs + p));
-        s[h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_broadcast_i32x4(_mm_loadu_si128(x)));
-        for (int k = 1; k < 4; ++k)
-          s[h] = _mm512_dpbusd_epi32(s[h], c[k], _mm512_broadcast_i32x4(_mm_loadu_si128(x + k)));
-      }
+      const __m512i sums = chunk_pair_sums(c, xk + 64 * (2 * j * pairs + p), xk + 64 * ((2 * j + 1) * pairs + p));
       const int64_t q = 4 * (j * pairs + p);
       const __m512 scale = _mm512_mul_ps(d, _mm512_broadcast_f32x4(_mm_loadu_ps(xd + q)));
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_pair_sums(s[0], s[1])), scale, acc[j]);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[j]);
       acc_min[j] = _mm512_fmadd_ps(mins, _mm512_broadcast_f32x4(_mm_loadu_ps(xsx + q)), acc_min[j]);
     }
   }
@@ -421,18 +415,11 @@ void q8_rows_t(const uint8_t* w, int64_t K, const int8_t* xk, const float* xd, c
                           _mm512_shuffle_i64x2(a23, b23, 0x44), _mm512_shuffle_i64x2(a23, b23, 0xEE)};
 #pragma GCC unroll 4
     for (int j = 0; j < R / 2; ++j) {
-      __m512i s[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m128i* x = reinterpret_cast<const __m128i*>(xk + 64 * ((2 * j + h) * pairs + p));
-        s[h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_broadcast_i32x4(_mm_loadu_si128(x)));
-        for (int k = 1; k < 4; ++k)
-          s[h] = _mm512_dpbusd_epi32(s[h], c[k], _mm512_broadcast_i32x4(_mm_loadu_si128(x + k)));
-      }
+      const __m512i sums = chunk_pair_sums(c, xk + 64 * (2 * j * pairs + p), xk + 64 * ((2 * j + 1) * pairs + p));
       const int64_t q = 4 * (j * pairs + p);
-      const __m512i sums = _mm512_sub_epi32(row_pair_sums(s[0], s[1]),
-                                            _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xcq + q))));
+      const __m512i exact = _mm512_sub_epi32(sums, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xcq + q))));
       const __m512 scale = _mm512_mul_ps(d, _mm512_broadcast_f32x4(_mm_loadu_ps(xd + q)));
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[j]);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[j]);
     }
   }
   store_row_pairs<R>(acc, nullptr, N, t, y);

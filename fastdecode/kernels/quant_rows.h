@@ -144,10 +144,17 @@ inline void nibble_quads(const uint8_t* q, __m512i c[4], const uint8_t* fifth = 
   }
 }
 
-// Two activation rows' sums over a pair of blocks (s0, s1: 128-bit lane r for weight row r, its lanes the chunk
-// quad's (b, b+1, b, b+1)) -> the block sums in lanes (r, h, parity): each block's low and high chunks added.
-inline __m512i row_pair_sums(__m512i s0, __m512i s1) {
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(s0, s1), _mm512_unpackhi_epi64(s0, s1));
+// Two activation rows (x0, x1: a pair of blocks' 4 chunk quads of each, chunk_rows' xk) against a tile's 4
+// rearranged weight registers (128-bit lane r for weight row r, its lanes meeting a quad's (b, b+1, b, b+1)) -> the
+// exact block sums in lanes (r, activation row, parity): each block's low and high chunks added.
+inline __m512i chunk_pair_sums(const __m512i c[4], const int8_t* x0, const int8_t* x1) {
+  __m512i s[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m128i* x = reinterpret_cast<const __m128i*>(h ? x1 : x0);
+    s[h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_broadcast_i32x4(_mm_loadu_si128(x)));
+    for (int k = 1; k < 4; ++k) s[h] = _mm512_dpbusd_epi32(s[h], c[k], _mm512_broadcast_i32x4(_mm_loadu_si128(x + k)));
+  }
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s[0], s[1]), _mm512_unpackhi_epi64(s[0], s[1]));
 }
 
 // One chunked group's outputs: acc (and mins, if given) per pair of rows in the lanes above -> y, each output
