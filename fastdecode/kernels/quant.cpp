@@ -42,7 +42,8 @@ constexpr int64_t Q8_PAIR = 16 + 8 * QK;   // a pair tile's bytes per pair of bl
 
 using fastdecode::hsum;
 using fastdecode::block_sums;
-using fastdecode::u8_pair_dot;
+using fastdecode::Q8_DOT_OFFSET;
+using fastdecode::q8_row_dot;
 using fastdecode::pair_dot;
 using fastdecode::prefetch;
 using fastdecode::prefetch_stream;
@@ -348,12 +349,13 @@ void q8f_tile(const uint8_t* wt, int64_t K, const float* X, int64_t M, int64_t N
 
 // The Q8_0 arithmetic (pair tiles), for every output, whatever kernel computes it (this one or amx.cpp's tiles): each
 // block b of 32 gives the exact integer s_b = sum q_w q_x (computed as sum u q_x with u = q_w + 128, the unsigned
-// operand vpdpbusd and tdpbsud take, less 128 sum q_x);
+// operand vpdpbusd and tdpbsud take, less 128 sum q_x; without VNNI directly, q8_row_dot);
 // E = the FMA chain over the even blocks, in order, of float(s_b) * (d_w * d_x), O the same over the odd ones;
 // y = E + O.
 
 // MR activation rows against one pair tile of 4 weight rows, all 4 in one pass over K. Accumulator lanes
-// (parity, weight row), as block_sums gives them. xc: the rows' 128 sum(q_x) per pair (quantize_rows).
+// (parity, weight row), as block_sums gives them. xc: the rows' 128 sum(q_x) per pair (quantize_rows), what the
+// unsigned weights of q8_row_dot's VNNI build add.
 template <int MR>
 void q8_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, const int32_t* xc, int64_t N, int64_t t,
              float* y) {
@@ -364,16 +366,11 @@ void q8_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, con
   for (int64_t p = 0; p < pairs; ++p, w += Q8_PAIR) {
     prefetch_stream(w, Q8_PAIR);
     const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)), by_block);
-    const auto row_dot = [&](int r, const int8_t* x) {
-      const uint8_t* q = w + 16 + 64 * r;
-      const __m256i sign = _mm256_set1_epi8(-128);  // q ^ 0x80 = q + 128
-      return u8_pair_dot(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)q), sign),
-                         _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + 32)), sign), x);
-    };
     for (int m = 0; m < MR; ++m) {
       const int8_t* x = xq + m * K + 64 * p;
-      const __m256i sums = _mm256_sub_epi32(block_sums(row_dot(0, x), row_dot(1, x), row_dot(2, x), row_dot(3, x)),
-                                            _mm256_loadu_si256((const __m256i*)(xc + (m * pairs + p) * 8)));
+      __m256i sums = block_sums(q8_row_dot(w + 16, x), q8_row_dot(w + 80, x), q8_row_dot(w + 144, x),
+                                q8_row_dot(w + 208, x));
+      if (Q8_DOT_OFFSET) sums = _mm256_sub_epi32(sums, _mm256_loadu_si256((const __m256i*)(xc + (m * pairs + p) * 8)));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_loadu_ps(xs + (m * pairs + p) * 16)),
                                acc[m]);
     }

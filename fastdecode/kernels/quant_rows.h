@@ -195,21 +195,27 @@ inline __m256i pair_dot(__m256i lo, __m256i hi, const int8_t* x) {
 #endif
 }
 
-// pair_dot for 8-bit unsigned weights (q8_linear's int8 q taken as q + 128): the same lanes, exact. Without VNNI the
-// bytes are split into nibbles, as u8 x i8 pair sums (up to 2 * 255 * 127) would saturate vpmaddubsw's int16.
-inline __m256i u8_pair_dot(__m256i lo, __m256i hi, const int8_t* x) {
-  const __m256i x0 = _mm256_loadu_si256((const __m256i*)x), x1 = _mm256_loadu_si256((const __m256i*)(x + 32));
+// One weight row's 64 int8 q of a pair tile (Q8_0) times x, in pair_dot's lanes, exact. With VNNI vpdpbusd takes the
+// weights unsigned, as q + 128: the lanes hold sum (q + 128) x, and the caller takes 128 sum(x) off each block (xc).
+// Without it, |q| times x with q's sign, as llama.cpp's AVX2 dot products do (pair sums up to 2 * 128 * 127 fit
+// vpmaddubsw's int16): sum q x directly, with half the instructions of splitting unsigned bytes into nibbles.
 #ifdef __AVX512VNNI__
-  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
+constexpr bool Q8_DOT_OFFSET = true;
 #else
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const auto nibbles_dot = [&](int shift) {
-    const __m256i l = _mm256_and_si256(_mm256_srli_epi16(lo, shift), low4);
-    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(hi, shift), low4);
-    return _mm256_add_epi16(_mm256_maddubs_epi16(l, x0), _mm256_maddubs_epi16(h, x1));  // |sum| <= 4 * 15 * 127
-  };
-  return _mm256_add_epi32(_mm256_madd_epi16(nibbles_dot(0), _mm256_set1_epi16(1)),
-                          _mm256_madd_epi16(nibbles_dot(4), _mm256_set1_epi16(16)));
+constexpr bool Q8_DOT_OFFSET = false;
+#endif
+inline __m256i q8_row_dot(const uint8_t* q, const int8_t* x) {
+  const __m256i x0 = _mm256_loadu_si256((const __m256i*)x), x1 = _mm256_loadu_si256((const __m256i*)(x + 32));
+  const __m256i q0 = _mm256_loadu_si256((const __m256i*)q), q1 = _mm256_loadu_si256((const __m256i*)(q + 32));
+#ifdef __AVX512VNNI__
+  const __m256i offset = _mm256_set1_epi8(-128);  // q ^ 0x80 = q + 128
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(q0, offset), x0),
+                             _mm256_xor_si256(q1, offset), x1);
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  return _mm256_add_epi32(
+      _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q0), _mm256_sign_epi8(x0, q0)), ones),
+      _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q1), _mm256_sign_epi8(x1, q1)), ones));
 #endif
 }
 
