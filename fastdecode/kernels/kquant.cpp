@@ -466,14 +466,16 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   at::Tensor xk, xd, corr;
 #ifdef __AVX512F__
   grouped = M / 8 * 8;
-  xk = at::empty({grouped, K}, xq.options());
-  xd = at::empty({2, grouped, K / 32}, xs.options());  // Q6_K: the lanes' d_x; else chunk_rows' xd, then xsx
-  corr = at::empty({q6 ? grouped : 0, K / 16}, xs.options().dtype(at::kInt));
-  chunked = {xk.data_ptr<int8_t>(), xd.data_ptr<float>(), xd.data_ptr<float>() + grouped * K / 32};
-  if (q6) q6_chunk_rows(xq.data_ptr<int8_t>(), xs.data_ptr<float>(), grouped, K, chunked.xk, corr.data_ptr<int32_t>(),
-                        xd.data_ptr<float>());
-  else chunk_rows(xq.data_ptr<int8_t>(), xs.data_ptr<float>(), nullptr, grouped, K / 64, chunked.xk, chunked.xd,
-                  chunked.xsx, nullptr);
+  if (grouped) {  // (a decode step's single rows allocate nothing more)
+    xk = at::empty({grouped, K}, xq.options());
+    xd = at::empty({2, grouped, K / 32}, xs.options());  // Q6_K: the lanes' d_x; else chunk_rows' xd, then xsx
+    corr = at::empty({q6 ? grouped : 0, K / 16}, xs.options().dtype(at::kInt));
+    chunked = {xk.data_ptr<int8_t>(), xd.data_ptr<float>(), xd.data_ptr<float>() + grouped * K / 32};
+    if (q6) q6_chunk_rows(xq.data_ptr<int8_t>(), xs.data_ptr<float>(), grouped, K, chunked.xk, corr.data_ptr<int32_t>(),
+                          xd.data_ptr<float>());
+    else chunk_rows(xq.data_ptr<int8_t>(), xs.data_ptr<float>(), nullptr, grouped, K / 64, chunked.xk, chunked.xd,
+                    chunked.xsx, nullptr);
+  }
 #endif
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
   at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {

@@ -532,12 +532,15 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   Q4Rows rows{XQ, XS, XT, nullptr, nullptr, nullptr};
 #ifdef __AVX512F__
   const int64_t grouped = M / 8 * 8;  // the rows q4_rows_t takes
-  const at::Tensor xk = at::empty({grouped, K}, xq.options()), xd = at::empty({2, grouped, pairs, 2}, xs.options());
-  rows.xk = xk.data_ptr<int8_t>();
-  rows.xd = xd.data_ptr<float>();
-  rows.xsx = rows.xd + grouped * pairs * 2;
-  fastdecode::chunk_rows(XQ, XS, nullptr, grouped, pairs, xk.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                         xd.data_ptr<float>() + grouped * pairs * 2, nullptr);
+  at::Tensor xk, xd;
+  if (grouped) {  // (a decode step's single rows allocate nothing more)
+    xk = at::empty({grouped, K}, xq.options()), xd = at::empty({2, grouped, pairs, 2}, xs.options());
+    rows.xk = xk.data_ptr<int8_t>();
+    rows.xd = xd.data_ptr<float>();
+    rows.xsx = rows.xd + grouped * pairs * 2;
+    fastdecode::chunk_rows(XQ, XS, nullptr, grouped, pairs, xk.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                           xd.data_ptr<float>() + grouped * pairs * 2, nullptr);
+  }
 #endif
   const int64_t tile_bytes = K / 64 * 160;
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
