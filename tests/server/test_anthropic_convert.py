@@ -74,3 +74,28 @@ def test_mid_conversation_system_message_stays_in_place_as_user_text():
                                            {"role": "system", "content": [{"type": "text", "text": "agents: ..."}]}])
     assert [(m.role, m.content) for m in body.messages] == [("system", "top"), ("user", "task"),
                                                           ("user", "agents: ...")]
+
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.197.8f6; cc_entrypoint=sdk-cli;"
+
+
+@pytest.mark.parametrize("system, expected", [
+    ([{"type": "text", "text": BILLING}, {"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+     [("system", "a\nb")]),  # Claude Code's first system block
+    (BILLING + "\nBe brief.", [("system", "Be brief.")]),  # a string that starts with the header: its other lines stay
+    ([{"type": "text", "text": f"{BILLING}\na"}, {"type": "text", "text": "b"}], [("system", "a\nb")]),  # one block
+    ([{"type": "text", "text": BILLING}], []),  # the header alone: no system message at all
+    ([{"type": "text", "text": f"a\n{BILLING}"}], [("system", f"a\n{BILLING}")]),  # not first: the model's to read
+], ids=["first block", "string", "first line of a block", "header alone", "not first"])
+def test_billing_header_is_left_out_of_the_system_message(system, expected):
+    body = convert(system=system, messages=[{"role": "user", "content": "hi"}])
+    assert [(m.role, m.content) for m in body.messages] == expected + [("user", "hi")]
+
+
+def test_requests_differing_only_in_the_billing_header_convert_alike():
+    """Its version suffix is a digest of the first user message: a new session's header differs from the last's."""
+    def session(suffix):
+        return convert(system=[{"type": "text", "text": BILLING.replace("8f6", suffix)},
+                               {"type": "text", "text": "You are a coding agent."}],
+                       tools=[TOOL], messages=[{"role": "user", "content": "x"}]).model_dump()
+    assert session("8f6") == session("82c")

@@ -1,6 +1,7 @@
 """A Messages API request -> the Chat Completions request that means the same, so that one code path (prepare)
 builds every chat prompt: system blocks become the system message, `tool_use` blocks an assistant's `tool_calls`,
-`tool_result` blocks `tool` messages, and `tool_choice` any/tool OpenAI's required/named choice."""
+`tool_result` blocks `tool` messages, and `tool_choice` any/tool OpenAI's required/named choice. Claude Code's
+billing header is left out (docs/agents.md: "What changes between sessions")."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,11 @@ from fastdecode.server.prepare import EngineRequest, ServedModel, as_chat_reques
 from fastdecode.server.schemas import ChatCompletionRequest
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# Claude Code's first system block, `x-anthropic-billing-header: cc_version=2.1.197.8f6; cc_entrypoint=sdk-cli;`,
+# is billing metadata, not an instruction. Its suffix changes with the session's first user message: kept, it would
+# part two tasks' prompts at their 26th token (Gemma 3's tokenizer) and the prefix cache would miss the rest. llama.cpp
+# leaves it out too.
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 @dataclass
@@ -64,10 +70,16 @@ def tool_choice(choice: ToolChoice):
 
 
 def system_messages(system) -> list[dict]:
-    if system is None:
-        return []
-    text = system if isinstance(system, str) else "\n".join(b.text for b in system)
-    return [{"role": "system", "content": text}]
+    texts = [] if system is None else [system] if isinstance(system, str) else [b.text for b in system]
+    texts = [t for t in map(without_billing_header, texts) if t is not None]
+    return [{"role": "system", "content": "\n".join(texts)}] if texts else []
+
+
+def without_billing_header(text: str) -> str | None:
+    """The text less a first line that is Claude Code's billing header; None when that line was all of it."""
+    if not text.startswith(BILLING_HEADER):
+        return text
+    return text.partition("\n")[2] or None
 
 
 def conversation(messages: list[Message]) -> list[dict]:
