@@ -11,6 +11,9 @@ torch.set_num_threads(2)
 # (and nothing lands in the user's cache); tests/loading/test_weight_image.py turns them on. Child processes (the
 # CLI, the server) inherit this.
 os.environ.setdefault("FASTDECODE_WEIGHT_CACHE_GB", "0")
+# No prefix cache on disk either (engine/kv_disk.py): a block left by an earlier test or run would turn a test's cold
+# prompt into a hit. tests/engine/test_kv_disk.py gives its caches their own folder.
+os.environ.setdefault("FASTDECODE_KV_DISK_GB", "0")
 
 
 def real_model_path(name: str):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
+from pathlib import Path
 
 import click
 import torch
@@ -50,6 +52,10 @@ def model_options(f):
                      help="Reuse the keys and values of a prompt's longest cached prefix (automatic prefix caching)."),
         click.option("--kv-dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True,
                      help="KV-cache element type (float32: twice the memory; the reference)."),
+        click.option("--kv-disk-gb", type=click.FloatRange(min=0), default=None,
+                     help="Cap of the prefix cache's disk tier under $FASTDECODE_HOME/kv, shared by every process "
+                          "on the machine (default: FASTDECODE_KV_DISK_GB, else 50; 0 turns it off). `fastdecode "
+                          "cache` lists and clears it."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -75,14 +81,15 @@ def sampling_options(f):
 
 
 MODEL_KEYS = ("model", "dtype", "quant", "group_size", "threads", "max_seq_len", "speculate", "tp", "max_batch",
-              "kv_cache_gb", "prefix_cache", "kv_dtype")  # model_options' parameters
+              "kv_cache_gb", "prefix_cache", "kv_dtype", "kv_disk_gb")  # model_options' parameters
 
 
 def build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate="none", tp=1, max_batch=8,
-              kv_cache_gb=None, prefix_cache=True, kv_dtype="float16"):
+              kv_cache_gb=None, prefix_cache=True, kv_dtype="float16", kv_disk_gb=None):
     from fastdecode.engine.llm import LLM
 
-    make, engine = LLM, dict(max_batch=max_batch, kv_cache_gb=kv_cache_gb, prefix_cache=prefix_cache, kv_dtype=kv_dtype)
+    make, engine = LLM, dict(max_batch=max_batch, kv_cache_gb=kv_cache_gb, prefix_cache=prefix_cache, kv_dtype=kv_dtype,
+                             kv_disk_gb=kv_disk_gb)
     if dtype is not None and quant is None:  # a float precision asked for: float weights
         quant = "none"
     if tp > 1:
@@ -243,4 +250,33 @@ def models():
     Console().print(table)
 
 
-COMMANDS = [generate, chat, pull_command, models]
+@click.group("cache", invoke_without_command=True)
+@click.pass_context
+def cache_command(ctx):
+    """The prefix cache's disk tier ($FASTDECODE_HOME/kv): what each model has stored. `fastdecode cache clear`
+    removes it."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from fastdecode.engine import kv_files
+
+    table = Table(title=f"KV blocks on disk ({kv_files.kv_dir()}, cap {kv_files.cap_bytes() / 1e9:g} GB)")
+    for column in ("model", "digest", "quant", "kv dtype", "blocks", "GB", "last used"):
+        table.add_column(column)
+    for row in kv_files.stored():
+        age = "-" if not row["blocks"] else time.strftime("%Y-%m-%d %H:%M", time.localtime(row["last_used"]))
+        table.add_row(Path(row["model"]).name, row["digest"][:12], str(row["quant"]), str(row["kv_dtype"]),
+                      str(row["blocks"]), f"{row['bytes'] / 1e9:.2f}", age)
+    Console().print(table)
+
+
+@cache_command.command("clear")
+@click.argument("digest", required=False)
+def cache_clear(digest):
+    """Removes every model's stored blocks, or those of the model whose digest starts with DIGEST."""
+    from fastdecode.engine import kv_files
+
+    files, size = kv_files.clear(digest=digest)
+    click.echo(f"removed {files} blocks ({size / 1e9:.2f} GB)")
+
+
+COMMANDS = [generate, chat, pull_command, models, cache_command]

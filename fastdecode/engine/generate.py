@@ -20,6 +20,7 @@ class Timings:
     prefill_s: float = 0.0
     decode_s: float = 0.0  # first output token -> last output token
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+    disk_cached_tokens: int = 0  # of those, the ones read from the prefix cache's disk tier
 
     @property
     def prefill_tok_s(self) -> float:

@@ -7,9 +7,16 @@ per tenant), so a later request with the same prefix takes the same blocks inste
 (automatic prefix caching). When its last user lets go, such a block stays cached, unreferenced, until a new block is
 needed and it is the least recently used one (then it is evicted and reused); a block without a hash goes straight
 back to the free list.
+
+With a disk tier (kv_disk.py), a registered block is also written behind to disk, once, and a prefix match that runs
+out of cached blocks goes on with the disk's: each one found is read into a free block and registered as if it had
+been computed here. The hash chain is a cryptographic one (BLAKE2b), the same in every process, so that a block's
+file is found again by a server started later.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -29,6 +36,7 @@ class BlockTable:
     """One sequence's blocks; `hashes[i]` is block i's prefix hash once it is registered."""
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
+    from_disk: int = 0  # of the blocks the last match_prefix gave, those read from the disk tier
 
 
 class KVCache:
@@ -49,6 +57,7 @@ class KVCache:
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # checked on a hit: no false sharing
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, least recent first
         self.hits = self.queries = 0  # prompt tokens found cached / looked up (the hit rate)
+        self.disk = None  # a kv_disk.DiskTier under the pool, or None
 
     @classmethod
     def for_model(cls, config, tokens: int, dtype=torch.float32, device=None, block_size: int = BLOCK_SIZE):
@@ -73,11 +82,16 @@ class KVCache:
 
     # ---- prefix hashing --------------------------------------------------------------------------------------
     def _hash(self, parent: int, tokens: tuple[int, ...]) -> int:
-        return hash((parent, tokens))
+        data = parent.to_bytes(16, "little") + array("I", tokens).tobytes()
+        return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
+
+    @staticmethod
+    def _root(salt: str) -> int:
+        return int.from_bytes(hashlib.blake2b(b"fastdecode-kv\0" + salt.encode(), digest_size=16).digest(), "little")
 
     def prefix_hashes(self, tokens: list[int], salt: str = "") -> list[int]:
         """The hash chain of every full block of `tokens`."""
-        out, parent, bs = [], hash(("fastdecode-kv", salt)), self.block_size
+        out, parent, bs = [], self._root(salt), self.block_size
         for i in range(len(tokens) // bs):
             parent = self._hash(parent, tuple(tokens[i * bs:(i + 1) * bs]))
             out.append(parent)
@@ -86,16 +100,25 @@ class KVCache:
     # ---- a sequence's blocks ---------------------------------------------------------------------------------
     def match_prefix(self, table: BlockTable, tokens: list[int], salt: str = "", limit: int | None = None) -> int:
         """Gives an empty table the longest run of cached blocks that begins `tokens` (at most `limit` tokens'
-        worth) -> the number of tokens it covers. A hit is a block whose hash and tokens both match."""
+        worth), from memory or else from the disk tier -> the number of tokens it covers. A hit is a block whose
+        hash and tokens both match."""
         assert not table.blocks
         bs = self.block_size
         limit = len(tokens) if limit is None else limit
         hashes = self.prefix_hashes(tokens[:limit - limit % bs], salt)
+        table.from_disk = 0
         for i, h in enumerate(hashes):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             block = self.cached.get(h)
-            if block is None or self.block_tokens[block] != tuple(tokens[i * bs:(i + 1) * bs]):
+            if block is not None and self.block_tokens[block] != block_tokens:
                 break
-            self._ref(block)
+            if block is None:
+                block = self._from_disk(h, block_tokens, i)
+                if block is None:
+                    break
+                table.from_disk += 1
+            else:
+                self._ref(block)
             table.blocks.append(block)
             table.hashes.append(h)
         self.queries += len(tokens)
@@ -118,15 +141,16 @@ class KVCache:
         bs, n = self.block_size, min(computed, len(tokens)) // self.block_size
         if len(table.hashes) >= n:
             return
-        parent = table.hashes[-1] if table.hashes else hash(("fastdecode-kv", salt))
+        parent = table.hashes[-1] if table.hashes else self._root(salt)
         for i in range(len(table.hashes), n):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             parent = self._hash(parent, block_tokens)
             table.hashes.append(parent)
             block = table.blocks[i]
             if parent not in self.cached and self.block_hash[block] is None:
-                self.cached[parent] = block
-                self.block_hash[block], self.block_tokens[block] = parent, block_tokens
+                self._register(block, parent, block_tokens)
+                if self.disk is not None:
+                    self.disk.write_behind(parent, block_tokens, block, i)
 
     def release(self, table: BlockTable):
         """The sequence lets go of its blocks: cached ones become idle (evictable, newest last), others free."""
@@ -163,6 +187,23 @@ class KVCache:
         self.cached.clear()
 
     # ---- blocks ----------------------------------------------------------------------------------------------
+    def _register(self, block: int, prefix_hash: int, block_tokens: tuple[int, ...]):
+        self.cached[prefix_hash] = block
+        self.block_hash[block], self.block_tokens[block] = prefix_hash, block_tokens
+
+    def _from_disk(self, prefix_hash: int, block_tokens: tuple[int, ...], index: int) -> int | None:
+        """A free block holding the disk tier's copy of this one, referenced and registered; None if the disk
+        has no whole copy, or the pool no block to spare."""
+        if self.disk is None or not self.available:
+            return None
+        block = self._take()
+        if not self.disk.read_into(prefix_hash, block_tokens, block, index):
+            self.refs[block] = 0
+            self.free.append(block)
+            return None
+        self._register(block, prefix_hash, block_tokens)
+        return block
+
     def _ref(self, block: int):
         if self.refs[block] == 0:
             self.idle.pop(block, None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Iterator
@@ -12,7 +13,10 @@ from torch import nn
 from fastdecode.engine.detokenize import IncrementalDetokenizer
 from fastdecode.engine.engine import Engine
 from fastdecode.engine.generate import Timings, generate_tokens
+from fastdecode.engine import kv_files
 from fastdecode.engine.kv_cache import BLOCK_SIZE, KVCache
+from fastdecode.engine.kv_disk import DiskTier
+from fastdecode.engine.kv_files import weights_digest
 from fastdecode.engine.sampling import Sampler, SamplingParams
 from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.errors import InvalidRequestError
@@ -76,13 +80,15 @@ class LLM:
                  group_size: int = 32, threads: int | None = None, max_seq_len: int = 4096, native: bool = True,
                  speculate: str = "none", progress=None, log=lambda *a: None, load=load_model,
                  max_batch: int = 8, kv_cache_gb: float | None = None, prefix_cache: bool = True,
-                 kv_dtype: str = "float16", engine: bool = True, scheduler: SchedulerConfig | None = None):
+                 kv_dtype: str = "float16", engine: bool = True, scheduler: SchedulerConfig | None = None,
+                 kv_disk_gb: float | None = None):
         """quant None runs a GGUF file in its own formats and a directory in float; "none" asks for float weights.
         `load(path, dtype, progress, quant) -> model` builds the model (tensor parallelism passes its shard loader
         and engine=False: its ranks run the single-request loop over the model's static cache, as do the drafters
         that run a model, `--speculate layerskip|draft:MODEL|eagle`). Everything else runs on the serving engine.
         kv_dtype: the engine's KV cache, float16 (half the memory and the attention reads of float32; keys and values
-        are rounded to it once, when written) or float32 (the reference)."""
+        are rounded to it once, when written) or float32 (the reference). kv_disk_gb: the prefix cache's disk tier
+        under $FASTDECODE_HOME/kv (None: FASTDECODE_KV_DISK_GB, else 50 GB; 0: none)."""
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         if kv_dtype not in KV_DTYPES:
@@ -99,6 +105,8 @@ class LLM:
         self.model = load(self.path, DTYPES[dtype], progress, quant)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
+        # (Before forget_parsed: a GGUF's digest hashes its header, which the loader parsed.)
+        self.weights_digest = weights_digest(self.path) if prefix_cache and kv_files.cap_bytes(kv_disk_gb) else None
         from fastdecode.loading.gguf_file import forget_parsed  # (it imports gguf: not at `import fastdecode`)
 
         forget_parsed()  # the loader and the tokenizer shared one parse of a GGUF's header
@@ -111,6 +119,10 @@ class LLM:
         if engine and speculate in (None, "", "none", *MODEL_FREE):
             self._build_engine(native, max_batch, kv_cache_gb, prefix_cache, KV_DTYPES[kv_dtype],
                                scheduler or SchedulerConfig())
+            if self.weights_digest is not None:
+                self._attach_disk_tier(kv_files.cap_bytes(kv_disk_gb), dict(
+                    quant=quant, group_size=group_size, dtype=dtype, kv_dtype=kv_dtype, runner=self.runner.name,
+                    config=repr(self.config)))
         else:
             self.model.setup_cache(self.max_seq_len)
             self.decoder = native_decoder(self.model) if native else None  # None: PyTorch's forward decodes
@@ -134,6 +146,15 @@ class LLM:
             self.engine.speculator = self.engine.scheduler.speculator = BatchSpeculator.build(
                 self.speculate, self.engine.measure_cost(COST_SIZES))
         release_openmp_workers()  # loading ran here; from now on the engine's thread computes (kernels/openmp.py)
+
+    def _attach_disk_tier(self, cap: int, parts: dict):
+        """The prefix cache's disk tier, where $FASTDECODE_HOME/kv can be made: else one warning, and none."""
+        kv = self.engine.kv
+        try:
+            kv.disk = DiskTier(kv_files.model_identity(self.path, self.weights_digest, parts), kv.k, kv.v,
+                                       kv.block_size, cap)
+        except OSError as e:
+            logging.getLogger(__name__).warning("kv disk tier off: %s", e)
 
     @property
     def decode_path(self) -> str:

@@ -128,6 +128,7 @@ class Scheduler:
                 seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, seq.salt, limit=len(seq.tokens) - 1)
                 if seq.first_scheduled is None:  # a preempted sequence's second admission is not a cache hit
                     seq.timings.cached_tokens = seq.num_computed
+                    seq.timings.disk_cached_tokens = seq.table.from_disk * self.kv.block_size
             try:
                 self.kv.reserve(seq.table, min(len(seq.tokens), seq.num_computed + self.kv.block_size))
             except NoFreeBlocks:

@@ -34,6 +34,8 @@ class Metrics:
         self.prompt_tokens = Counter("fastdecode_prompt_tokens", "Prompt tokens processed", registry=r)
         self.cached_tokens = Counter("fastdecode_prompt_tokens_cached", "Prompt tokens found in the prefix cache "
                                      "(their share of fastdecode_prompt_tokens is the hit rate)", registry=r)
+        self.disk_cached_tokens = Counter("fastdecode_prompt_tokens_cached_disk", "Of the cached prompt tokens, those "
+                                          "read from the prefix cache's disk tier", registry=r)
         self.completion_tokens = Counter("fastdecode_completion_tokens", "Output tokens generated", registry=r)
         self.queue_depth = Gauge("fastdecode_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("fastdecode_requests_running", "Requests the engine is generating", registry=r)
@@ -46,6 +48,7 @@ class Metrics:
             return
         t = completion.timings
         self.cached_tokens.inc(t.cached_tokens)
+        self.disk_cached_tokens.inc(t.disk_cached_tokens)
         self.ttft.observe(t.ttft_s)
         if t.output_tokens > 1:
             self.output_tok_s.observe(t.output_tok_s)

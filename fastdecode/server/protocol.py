@@ -50,7 +50,8 @@ def speed(queue_s: float, completion, end: str | None, speculation: bool = False
         t = completion.timings
         out.update(ttft_s=round(t.ttft_s, 4), prefill_tok_s=round(t.prefill_tok_s, 1),
                    output_tok_s=round(t.output_tok_s, 2), prompt_tokens=t.prompt_tokens,
-                   cached_tokens=t.cached_tokens, output_tokens=t.output_tokens)
+                   cached_tokens=t.cached_tokens, disk_cached_tokens=t.disk_cached_tokens,
+                   output_tokens=t.output_tokens)
         if speculation and completion.speculation is not None:
             out["speculation"] = completion.speculation
             out["accepted_tokens"] = completion.speculation.get("accepted")

@@ -13,15 +13,13 @@ from fastdecode.engine.sampling import SamplingParams
 from fastdecode.config import ModelConfig
 from fastdecode.engine.scheduler import SchedulerConfig, fair_shares, prefill_floor
 from fastdecode.errors import InvalidRequestError
-from fastdecode.kernels import native_ops
 from fastdecode.loading import load_model
-from fastdecode.runners import Batch
 from fastdecode.runners.native import NativeRunner
-from fastdecode.runners.pytorch import TorchRunner
 from fastdecode.speculative.batch import BatchSpeculator
 from fastdecode.speculative.ngram import NgramDrafter
 from fastdecode.speculative.policy import Policy
 from fastdecode.speculative.suffix import SuffixDrafter
+from tests.helpers.paged import RUNNERS, paged, run
 from tests.helpers.checkpoints import (MOE_SPECS, SPECS, checkpoint, max_diff, prompt_tokens, reference_run,
                                        single_thread)
 from tests.speculative.helpers import OracleDrafter, flat_cost, tiny_target
@@ -36,7 +34,6 @@ def self_atol(runner: str, kv_dtype) -> float:
     """PyTorch's float matmuls may round a row differently by the rows beside it; a key an ulp off before rounding
     can then land on the neighbouring float16 value. The native runner's rows are the same arithmetic in any batch."""
     return SELF_ATOL if runner == "native" or kv_dtype == torch.float32 else 1e-3
-RUNNERS = {"native": NativeRunner.build, "pytorch": TorchRunner}
 KV_DTYPES = [torch.float32, torch.float16]
 # Every family, mixture-of-experts ones included, on both runners.
 CASES = [(name, runner) for name in [*SPECS, *MOE_SPECS] for runner in RUNNERS]
@@ -46,38 +43,6 @@ CASES = [(name, runner) for name in [*SPECS, *MOE_SPECS] for runner in RUNNERS]
 def one_thread():
     with single_thread():
         yield
-
-
-def paged(model, runner: str, blocks: int = 16, block_size: int = 8, dtype=torch.float32, positions: int = 256):
-    """A runner over a small paged cache whose free blocks come in shuffled order (tables are not contiguous)."""
-    model.setup_rope(positions)
-    kv = KVCache.for_model(model.config, blocks * block_size, dtype, block_size=block_size)
-    random.Random(0).shuffle(kv.free)
-    r = RUNNERS[runner](model, kv)
-    if r is None and native_ops() is None:
-        pytest.skip("the native kernels are unavailable")
-    assert r is not None, f"the {runner} runner declined {model.config.family}"
-    return r, kv
-
-
-def run(runner, kv, seqs: list[tuple[BlockTable, int, list[int]]]) -> list[torch.Tensor]:
-    """One forward over several sequences' new tokens (table, tokens already cached, new tokens) -> each one's
-    logits (T, vocab)."""
-    tokens, positions, slots, rows, context = [], [], [], [0], []
-    for table, start, new in seqs:
-        kv.reserve(table, start + len(new))
-        tokens += new
-        positions += range(start, start + len(new))
-        slots += kv.slots(table, start, start + len(new))
-        rows.append(len(tokens))
-        context.append(start)
-    width = max(len(t.blocks) for t, _, _ in seqs)
-    tables = torch.tensor([t.blocks + [0] * (width - len(t.blocks)) for t, _, _ in seqs])
-    batch = Batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), torch.tensor(rows),
-                  torch.tensor(context), tables, kv.block_size)
-    with torch.inference_mode():
-        logits = runner.model.head(runner.forward(batch))
-    return [logits[a:b] for a, b in zip(rows, rows[1:])]
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
