@@ -9,6 +9,8 @@ Every engine sees the same conversation: the replies are the first engine's, so 
     python bench/agent_session.py --peers ''           # fastdecode only
     python bench/agent_session.py --model ~/.cache/fastdecode/shapes/qwen3-30b-a3b-Q4_0.gguf --serve-args \
         '--speculate none' --no-compare-no-cache --peers ''   # one server: a model that fits in memory once
+    python bench/agent_session.py --restart --model ~/.cache/fastdecode/shapes/qwen2.5-coder-1.5b-Q4_0.gguf \
+        --serve-args '' --out bench/results/agent_restart-1.5b    # new sessions' first turns around a restart
 """
 from __future__ import annotations
 
@@ -136,7 +138,22 @@ def main():
     p.add_argument("--compare-no-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="also a server without the prefix cache (every engine holds the model at once)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_session"))
+    p.add_argument("--restart", action="store_true",
+                   help="new Claude-Code-shaped sessions' first turns: cold, from RAM, and after a restart from the "
+                        "disk tier (bench/agent_restart.py)")
+    p.add_argument("--repeats", type=int, default=1, help="(--restart) cold/RAM/restart rounds, each from an empty "
+                   "KV folder")
+    p.add_argument("--max-seq-len", type=int, default=32768, help="(--restart) the servers' context")
+    p.add_argument("--schema-chars", type=int, default=64_000, help="(--restart) characters of the 24 tools' "
+                   "schemas (Claude Code's: about 64k)")
+    p.add_argument("--drop-caches", action="store_true", help="(--restart, root) empty the page cache before the "
+                   "restarted server starts")
     a = p.parse_args()
+    if a.restart:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from agent_restart import run as run_restart
+
+        return run_restart(a)
 
     serve = a.serve_args.split() + ["--threads", str(a.threads), "--max-seq-len", "8192"]
     print("starting the servers ...", flush=True)
