@@ -16,6 +16,7 @@ file is found again by a server started later.
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     from_disk: int = 0  # of the blocks the last match_prefix gave, those read from the disk tier
+    disk_pending: bool = False  # the last match_prefix stopped at its deadline with more of the prefix on disk
 
 
 class KVCache:
@@ -98,21 +100,26 @@ class KVCache:
         return out
 
     # ---- a sequence's blocks ---------------------------------------------------------------------------------
-    def match_prefix(self, table: BlockTable, tokens: list[int], salt: str = "", limit: int | None = None) -> int:
+    def match_prefix(self, table: BlockTable, tokens: list[int], salt: str = "", limit: int | None = None,
+                     disk_deadline: float | None = None) -> int:
         """Gives an empty table the longest run of cached blocks that begins `tokens` (at most `limit` tokens'
         worth), from memory or else from the disk tier -> the number of tokens it covers. A hit is a block whose
-        hash and tokens both match."""
+        hash and tokens both match. Past `disk_deadline` (time.perf_counter()) no more blocks are read from disk, but
+        always one: table.disk_pending then says whether the next one was there."""
         assert not table.blocks
         bs = self.block_size
         limit = len(tokens) if limit is None else limit
         hashes = self.prefix_hashes(tokens[:limit - limit % bs], salt)
-        table.from_disk = 0
+        table.from_disk, table.disk_pending = 0, False
         for i, h in enumerate(hashes):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             block = self.cached.get(h)
             if block is not None and self.block_tokens[block] != block_tokens:
                 break
             if block is None:
+                if table.from_disk and disk_deadline is not None and time.perf_counter() > disk_deadline:
+                    table.disk_pending = self.disk is not None and self.disk.path(h).exists()
+                    break
                 block = self._from_disk(h, block_tokens, i)
                 if block is None:
                     break

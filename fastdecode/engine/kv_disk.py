@@ -48,6 +48,7 @@ PENDING_BYTES = 1 << 30  # snapshots waiting for the writer; past this a block i
 KNOWN_MAX = 1 << 20  # prefix hashes a tier remembers as on disk (about 100 MB)
 IOV_MAX = 1024  # Linux's limit of buffers in one preadv
 
+
 class DiskTier:
     """One model's blocks on disk, for the pool of one KVCache (its per-layer K and V tensors, (kv_heads, slots,
     head_dim) each): read_into() loads a block into the pool on a prefix match; write_behind() snapshots a block

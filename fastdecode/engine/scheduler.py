@@ -8,12 +8,14 @@ not by its whole prefill; otherwise about `prefill_step_s`, so a request that ar
 within about that, and a short prompt is not queued behind a long one (an agent's subagent beside its main
 conversation), but never fewer than `min_prefill_rows` (prefill_floor: a mixture-of-experts chunk reads nearly every
 expert). Waiting requests join between steps (first in, first out)
-while fewer than `max_batch` run, taking the longest cached prefix of their tokens first. When a sequence needs a block
+while fewer than `max_batch` run, taking the longest cached prefix of their tokens first (from the disk tier, while
+others run, about `decode_gap_s` of reading a step). When a sequence needs a block
 and none is free, the most recently admitted sequence is preempted: its blocks go back (full ones stay cached), and
 it computes its tokens again when readmitted (recompute preemption, as in vLLM), with its output so far kept.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -124,11 +126,19 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_batch:
             seq = self.waiting[0]
             if not seq.table.blocks and self.config.prefix_cache:
-                # At least one token must run through the model to give the next token's logits.
-                seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, seq.salt, limit=len(seq.tokens) - 1)
+                # At least one token must run through the model to give the next token's logits. While others run,
+                # reading its prefix from disk stops after decode_gap_s and goes on in the next steps.
+                deadline = time.perf_counter() + self.config.decode_gap_s if self.running else None
+                seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, seq.salt, limit=len(seq.tokens) - 1,
+                                                        disk_deadline=deadline)
                 if seq.first_scheduled is None:  # a preempted sequence's second admission is not a cache hit
                     seq.timings.cached_tokens = seq.num_computed
-                    seq.timings.disk_cached_tokens = seq.table.from_disk * self.kv.block_size
+                    seq.timings.disk_cached_tokens = min(seq.num_computed, seq.timings.disk_cached_tokens
+                                                         + seq.table.from_disk * self.kv.block_size)
+                if seq.table.disk_pending:  # its blocks so far stay cached in memory for the next step's match
+                    self.kv.release(seq.table)
+                    seq.num_computed = 0
+                    return
             try:
                 self.kv.reserve(seq.table, min(len(seq.tokens), seq.num_computed + self.kv.block_size))
             except NoFreeBlocks:

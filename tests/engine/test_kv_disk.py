@@ -13,11 +13,17 @@ import torch
 from click.testing import CliRunner
 
 from fastdecode.engine import kv_disk, kv_files
+from fastdecode.engine.engine import Engine
 from fastdecode.engine.kv_cache import BlockTable, KVCache
-from fastdecode.engine.kv_disk import HEADER, DiskTier, ModelIdentity
+from fastdecode.engine.kv_disk import HEADER, DiskTier
+from fastdecode.engine.kv_files import ModelIdentity
+from fastdecode.engine.sampling import SamplingParams
+from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.loading import load_model
+from fastdecode.runners.native import NativeRunner
 from tests.helpers.checkpoints import SPECS, checkpoint, prompt_tokens, single_thread
 from tests.helpers.paged import paged, run
+from tests.speculative.helpers import tiny_target
 
 BS = 4
 MODEL = ModelIdentity(b"m" * 16, {"model": "tiny.gguf", "quant": "gguf", "kv_dtype": "float16"})
@@ -303,3 +309,53 @@ def test_the_cache_command_lists_and_clears_what_is_stored(tmp_path, monkeypatch
     assert not kv_files.block_files(tmp_path)
     with kv_files.Usage(tmp_path) as usage:
         assert usage.read() == 0
+
+
+def test_a_match_past_its_deadline_reads_one_block_from_disk_and_says_more_are_there(tmp_path):
+    computed(cache(tmp_path), TOKENS)
+    kv = cache(tmp_path)
+    steps = []
+    while True:  # as the scheduler does while others run: what was read stays cached for the next match
+        table = BlockTable()
+        got = kv.match_prefix(table, TOKENS, disk_deadline=0.0)
+        steps.append((got, table.from_disk, table.disk_pending))
+        kv.release(table)
+        if not table.disk_pending:
+            break
+    assert steps == [(4, 1, True), (8, 1, True), (12, 1, False)]
+
+
+def disk_engine(root) -> Engine:
+    """The int4 tiny target on an engine (driven by pump()) whose float16 cache of 8-token blocks has a disk tier;
+    while others run, its admissions read one block from disk a step (decode_gap_s 0)."""
+    model, _ = tiny_target(max_seq_len=8)
+    model.setup_rope(512)
+    kv = KVCache.for_model(model.config, 64 * 8, torch.float16, block_size=8)
+    kv.disk = DiskTier(MODEL, kv.k, kv.v, 8, 10**9, root)
+    runner = NativeRunner.build(model, kv)
+    if runner is None:
+        pytest.skip("native kernels unavailable")
+    return Engine(model, kv, runner, 512, SchedulerConfig(max_batched_tokens=64, decode_gap_s=0.0), background=False)
+
+
+def test_a_prefix_read_from_disk_while_others_decode_takes_a_block_a_step_and_answers_alike(tmp_path):
+    params = SamplingParams(max_tokens=24, temperature=0)
+    long_prompt, short_prompt = [3 + i % 37 for i in range(97)], [5, 6, 7]
+    first = disk_engine(tmp_path)
+    alone = first.add_request(long_prompt, params)
+    while first.pump():
+        pass
+    assert first.kv.disk.flush()
+    restarted = disk_engine(tmp_path)
+    decoding = restarted.add_request(short_prompt, params)
+    restarted.pump()
+    reading = restarted.add_request(long_prompt, params)
+    steps = 0
+    while not reading.table.blocks:  # its 12 blocks come one a step; the other sequence decodes meanwhile
+        assert restarted.pump()
+        steps += 1
+    assert steps == 12 and decoding.num_output >= 12
+    while restarted.pump():
+        pass
+    assert reading.timings.cached_tokens == reading.timings.disk_cached_tokens == 96
+    assert reading.tokens == alone.tokens
