@@ -155,7 +155,12 @@ def test_smollm2_loaded_as_is_equals_float_then_int4_byte_for_byte(smollm2_path)
             assert torch.equal(buf, getattr(b, key)), f"{name}.{key}"
     tokens = torch.tensor([[1, 504, 3458, 314, 1178, 30]])
     ours, ref = logits(kept, tokens), logits(via_int4, tokens)
-    assert (ours - ref).norm() / ref.norm() < 0.01 and torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert (ours - ref).norm() / ref.norm() < 0.01
+    # The heads' activations differ (int8 against float), so the greedy token may differ only where the reference's
+    # top two are closer than the logits' difference: on the AVX-512 EPYC, position 1's are 0.009 apart (51, 50).
+    top2 = ref.topk(2, dim=-1).values
+    near_tie = top2[..., 0] - top2[..., 1] < 2 * (ours - ref).abs().amax(-1)
+    assert ((ours.argmax(-1) == ref.argmax(-1)) | near_tie).all() and not near_tie.all()
 
 
 def test_quant_gguf_of_a_directory_is_refused():
