@@ -102,11 +102,12 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
     async def answer(request: Request, job: EngineRequest, fmt, stream: bool):
         fmt.expose_speculation = config.expose_speculation_stats
         try:
-            # Drafters remember earlier requests only within a tenant: the holders of the API key, or with no key
-            # configured nobody (each request its own), so no user's text shapes another user's drafts.
-            tenant = "api-key" if config.api_key else None
+            # Drafters remember earlier requests only within a tenant (the holders of one API key; with no key
+            # configured nobody: each request its own), and cached prefixes are shared only within one too.
+            tenant = getattr(request.state, "tenant", None)
             run = scheduler.submit(lambda: llm.stream(job.prompt_ids, job.params, job.logits_processor,
-                                                      tenant=tenant),
+                                                      salt=cache_salt(tenant, job.cache_salt,
+                                                                      config.share_prefix_cache), tenant=tenant),
                                    config.request_timeout_s)
         except QueueFull as e:
             raise ApiError(429, f"The server is busy: {scheduler.waiting} requests are waiting for the engine. "
@@ -200,6 +201,13 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(messages_routes(served, answer))  # Anthropic's Messages API
     app.include_router(responses_routes(served, answer))  # OpenAI's Responses API, stateless
     return app
+
+
+def cache_salt(tenant: str | None, salt: str | None, shared: bool = False) -> str:
+    """The prefix-cache namespace of a request: its tenant's (unless tenants share one) and, within it, the
+    request's own `cache_salt`. No key configured: one tenant, the namespace of `fastdecode chat` and the Python API."""
+    parts = [] if shared or tenant is None else [f"tenant:{tenant}"]
+    return "\0".join(parts + ([f"salt:{salt}"] if salt else []))
 
 
 def include_usage(body) -> bool:

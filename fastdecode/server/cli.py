@@ -6,7 +6,8 @@ import logging
 import click
 
 from fastdecode.engine.cli import build_llm, err, model_kwargs, model_options
-from fastdecode.server.config import ServerConfig
+from fastdecode.errors import FastdecodeError
+from fastdecode.server.config import ServerConfig, key_name
 from fastdecode.server.security import is_loopback
 
 
@@ -15,8 +16,15 @@ from fastdecode.server.security import is_loopback
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. Anything but loopback exposes the model to the network: set an API key.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--api-key", envvar="FASTDECODE_API_KEY", default=None,
-              help="Require `Authorization: Bearer KEY` on /v1/* and /metrics (or set FASTDECODE_API_KEY).")
+@click.option("--api-key", "api_keys", envvar="FASTDECODE_API_KEY", multiple=True,
+              help="Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1/* and /metrics (or set "
+                   "FASTDECODE_API_KEY). Repeat it for several keys: each key is a tenant, whose prefix cache and "
+                   "drafters' memory no other sees.")
+@click.option("--api-keys-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="More keys, one tenant a line: `NAME KEY` (the name shows in logs instead of a digest).")
+@click.option("--share-prefix-cache", is_flag=True,
+              help="Let tenants hit each other's cached prefixes (a team's common system prompt prefilled once). "
+                   "A hit, and its speed, then tells one tenant what another sent.")
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the -m argument).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for the engine; one more gets 429 with Retry-After.")
@@ -27,17 +35,20 @@ from fastdecode.server.security import is_loopback
               help="Report each response's drafted and accepted token counts (off: they hint at what drafters saw).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
-def serve(host, port, api_key, served_model_name, max_queue, request_timeout, max_body_bytes,
-          expose_speculation_stats, log_level, **engine):
+def serve(host, port, api_keys, api_keys_file, share_prefix_cache, served_model_name, max_queue, request_timeout,
+          max_body_bytes, expose_speculation_stats, log_level, **engine):
     """Serve MODEL over an OpenAI-compatible HTTP API (chat and text completions, tools, streaming)."""
     import uvicorn
 
     from fastdecode.server.app import create_app
 
-    config = ServerConfig(host=host, port=port, api_key=api_key or None, served_model_name=served_model_name,
-                          max_queue=max_queue, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
-                          expose_speculation_stats=expose_speculation_stats)
-    if not is_loopback(host) and not config.api_key:
+    keys = {key: key_name(key) for key in api_keys if key}
+    if api_keys_file:
+        keys.update(read_keys_file(api_keys_file))
+    config = ServerConfig(host=host, port=port, api_keys=keys, share_prefix_cache=share_prefix_cache,
+                          served_model_name=served_model_name, max_queue=max_queue, request_timeout_s=request_timeout,
+                          max_body_bytes=max_body_bytes, expose_speculation_stats=expose_speculation_stats)
+    if not is_loopback(host) and not config.tenants():
         err.print(f"[yellow]warning: serving on {host} without an API key: anyone who reaches the port can use "
                   "the model[/yellow]")
     llm = build_llm(**model_kwargs(engine))
@@ -45,6 +56,21 @@ def serve(host, port, api_key, served_model_name, max_queue, request_timeout, ma
     logging.basicConfig(format="%(levelname)-9s %(name)s: %(message)s", level=log_level.upper())
     app = create_app(llm, config)
     batch = llm.engine.config.max_batch if llm.engine else 1
+    auth = f", {len(config.tenants())} API key(s) required" if config.tenants() else ""
     err.print(f"[cyan]{app.state.served.id} on http://{host}:{port}/v1 (speculate {llm.speculate}, batch {batch}, "
-              f"queue {max_queue}{', API key required' if config.api_key else ''})[/cyan]")
+              f"queue {max_queue}{auth})[/cyan]")
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def read_keys_file(path: str) -> dict[str, str]:
+    """`NAME KEY` lines (blank lines and # comments skipped) -> key -> tenant name."""
+    keys = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            words = line.split()
+            if not words or words[0].startswith("#"):
+                continue
+            if len(words) != 2:
+                raise FastdecodeError(f"{path}:{n}: a line of --api-keys-file is `NAME KEY`")
+            keys[words[1]] = words[0]
+    return keys

@@ -1,7 +1,8 @@
 """What `fastdecode serve` is told, beside the engine's own options."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -9,6 +10,10 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise: whoever reaches the port can run the model
     port: int = 8000
     api_key: str | None = None  # when set, /v1/* and /metrics need `Authorization: Bearer <key>`
+    api_keys: dict[str, str] = field(default_factory=dict)  # more keys: key -> tenant name
+    # Tenants (one per key) share no cached prefix: a hit, or its speed, would tell one what another sent. A team
+    # that wants its common system prompt prefilled once for all of them says so.
+    share_prefix_cache: bool = False
     served_model_name: str | None = None  # the id clients send as `model` (default: the -m argument)
     max_queue: int = 64  # requests waiting beyond the one generating; the next gets 429 with Retry-After
     request_timeout_s: float = 600.0  # queue wait plus generation; past it the reply ends with finish_reason length
@@ -18,3 +23,13 @@ class ServerConfig:
     # drafter guesses says something about what it has seen. Drafters' memory is per tenant either way.
     expose_speculation_stats: bool = False
     keepalive_s: float = 5.0  # a stream started before its first token (Messages, Responses) sends an event this often
+
+    def tenants(self) -> dict[str, str]:
+        """Every accepted key -> its tenant's name (empty: no key needed, one tenant)."""
+        keys = {self.api_key: key_name(self.api_key)} if self.api_key else {}
+        return {**keys, **self.api_keys}
+
+
+def key_name(key: str) -> str:
+    """A tenant's name for a key given without one: a digest, so logs and salts never hold the key."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]

@@ -30,6 +30,7 @@ class EngineRequest:
     logits_processor: Callable | None = None
     reply: ReplyFormat | None = None  # what the reply is parsed for; None: it is plain text
     echo: str | None = None  # prompt text that /v1/completions puts before the output
+    cache_salt: str | None = None  # vLLM's: requests share cached prefixes only within one salt (and tenant)
 
 
 class ServedModel:
@@ -143,7 +144,7 @@ def chat_request(body: ChatCompletionRequest, served: ServedModel, prompt: ChatP
             # Harmony's replies end at <|return|> or <|call|>; the vocabulary's end-of-turn tokens include <|end|>,
             # which ends each message of a reply and so must not stop it.
             params.stop_token_ids, params.ignore_eos = [*params.stop_token_ids, *ends], True
-    return EngineRequest(prompt.ids, params, processor, prompt.reply)
+    return EngineRequest(prompt.ids, params, processor, prompt.reply, cache_salt=body.cache_salt)
 
 
 def completion_request(body: CompletionRequest, served: ServedModel) -> EngineRequest:
@@ -172,7 +173,8 @@ def completion_request(body: CompletionRequest, served: ServedModel) -> EngineRe
         echo = prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt_ids)
     params = sampling_params(body, prompt_ids, body.max_tokens, body.logprobs, llm.max_seq_len)
     grammar = response_grammar(body.response_format)
-    return EngineRequest(prompt_ids, params, logits_processor(body, grammar, params, served), echo=echo)
+    return EngineRequest(prompt_ids, params, logits_processor(body, grammar, params, served), echo=echo,
+                         cache_salt=body.cache_salt)
 
 
 def response_grammar(response_format):

@@ -126,6 +126,7 @@ class Sampling(Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     ignore_eos: bool | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # prefix-cache namespace within the tenant
 
     @field_validator("stop")
     @classmethod

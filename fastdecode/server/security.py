@@ -34,36 +34,51 @@ def host_name(header: str) -> str:
 class Guard:
     """ASGI middleware. A loopback server without a key answers only requests whose Host names the loopback: a web
     page whose own domain it rebinds to 127.0.0.1 still sends that domain as Host, and a browser cannot forge it.
-    With a key, every path but /health (the OpenAPI schema included) needs it, as `Authorization: Bearer KEY` or
-    `x-api-key: KEY`."""
+    With keys, every path but /health (the OpenAPI schema included) needs one, as `Authorization: Bearer KEY` or
+    `x-api-key: KEY`; the request's state then names its tenant (`request.state.tenant`, None without keys)."""
 
     def __init__(self, app, config: ServerConfig):
-        self.app, self.api_key = app, config.api_key
-        self.check_host = config.api_key is None and is_loopback(config.host)
+        self.app, self.keys = app, [(k.encode(), name) for k, name in config.tenants().items()]
+        self.check_host = not self.keys and is_loopback(config.host)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            refusal = self.refusal(scope["path"], Headers(scope=scope))
+            headers = Headers(scope=scope)
+            tenant = self.tenant(headers)
+            refusal = self.refusal(scope["path"], headers, tenant)
             if refusal is not None:
                 return await refusal(scope, receive, send)
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
-    def refusal(self, path: str, headers: Headers):
+    def tenant(self, headers: Headers) -> str | None:
+        """The tenant whose key the request carries (every key compared, in constant time each)."""
+        found = None
+        for given in sent_keys(headers):
+            for key, name in self.keys:
+                if hmac.compare_digest(given.encode(), key):
+                    found = name
+        return found
+
+    def refusal(self, path: str, headers: Headers, tenant: str | None):
         def refuse(status: int, message: str, code: str) -> JSONResponse:  # in the shape of the path's API
             return JSONResponse(error_body_for(path, status, message, code=code), status_code=status)
 
         if self.check_host and host_name(headers.get("host", "")).lower() not in LOOPBACK_NAMES:
             return refuse(403, "this server answers only requests addressed to localhost (the Host header names "
                                "another site); set an API key to serve other names", "host_not_allowed")
-        if self.api_key is None or path in OPEN_PATHS:
+        if not self.keys or path in OPEN_PATHS:
             return None
-        # OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`.
-        scheme, _, bearer = headers.get("authorization", "").partition(" ")
-        given = [k.strip() for k in (bearer if scheme.lower() == "bearer" else "", headers.get("x-api-key", ""))
-                 if k.strip()]
-        if not given:
+        if not sent_keys(headers):
             return refuse(401, "Missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`",
                           "missing_api_key")
-        if not any(hmac.compare_digest(k.encode(), self.api_key.encode()) for k in given):
+        if tenant is None:
             return refuse(401, "Incorrect API key provided", "invalid_api_key")
         return None
+
+
+def sent_keys(headers: Headers) -> list[str]:
+    """The keys a request carries: OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`."""
+    scheme, _, bearer = headers.get("authorization", "").partition(" ")
+    return [k.strip() for k in (bearer if scheme.lower() == "bearer" else "", headers.get("x-api-key", ""))
+            if k.strip()]
