@@ -10,13 +10,12 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from fastdecode.engine import kv_files
 from fastdecode.engine.detokenize import IncrementalDetokenizer
 from fastdecode.engine.engine import Engine
 from fastdecode.engine.generate import Timings, generate_tokens
-from fastdecode.engine import kv_files
 from fastdecode.engine.kv_cache import BLOCK_SIZE, KVCache
 from fastdecode.engine.kv_disk import DiskTier
-from fastdecode.engine.kv_files import weights_digest
 from fastdecode.engine.sampling import Sampler, SamplingParams
 from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.errors import InvalidRequestError
@@ -106,7 +105,8 @@ class LLM:
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
         # (Before forget_parsed: a GGUF's digest hashes its header, which the loader parsed.)
-        self.weights_digest = weights_digest(self.path) if prefix_cache and kv_files.cap_bytes(kv_disk_gb) else None
+        disk_tier = prefix_cache and kv_files.cap_bytes(kv_disk_gb) > 0
+        self.weights_digest = kv_files.weights_digest(self.path) if disk_tier else None
         from fastdecode.loading.gguf_file import forget_parsed  # (it imports gguf: not at `import fastdecode`)
 
         forget_parsed()  # the loader and the tokenizer shared one parse of a GGUF's header
@@ -151,8 +151,8 @@ class LLM:
         """The prefix cache's disk tier, where $FASTDECODE_HOME/kv can be made: else one warning, and none."""
         kv = self.engine.kv
         try:
-            kv.disk = DiskTier(kv_files.model_identity(self.path, self.weights_digest, parts), kv.k, kv.v,
-                                       kv.block_size, cap)
+            identity = kv_files.model_identity(self.path, self.weights_digest, parts)
+            kv.disk = DiskTier(identity, kv.k, kv.v, kv.block_size, cap)
         except OSError as e:
             logging.getLogger(__name__).warning("kv disk tier off: %s", e)
 
