@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import queue
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Iterator
@@ -28,6 +29,7 @@ from fastdecode.speculative import build_speculator
 from fastdecode.speculative.batch import COST_SIZES, MODEL_FREE, BatchSpeculator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CANCEL_POLL_S = 0.1  # how often a stream waiting for its next token looks whether it was cancelled
 KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}  # what the native attention reads
 
 
@@ -187,11 +189,14 @@ class LLM:
 
     # ---- generation --------------------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, logits_processor=None,
-               salt: str = "", tenant: str | None = "") -> Iterator[StreamChunk]:
+               salt: str = "", tenant: str | None = "", cancel: threading.Event | None = None
+               ) -> Iterator[StreamChunk]:
         """Submits the request at once and returns an iterator of chunks: one per output token and a last one
         carrying the Completion. `logits_processor`: see Sampler. `salt` keeps prefix-cache sharing within a
         namespace; `tenant` does the same for the drafters' memory of earlier requests (None: no memory shared).
-        Closing the iterator early (a client went away) ends the request and frees its cache blocks."""
+        Closing the iterator early (a client went away) ends the request and frees its cache blocks; so does
+        setting `cancel` (from another thread), within CANCEL_POLL_S and the engine's step, even mid-prefill, when
+        no chunk comes to close it after."""
         params = params or SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
@@ -203,14 +208,20 @@ class LLM:
             tokens = self._single_request(prompt_ids, params, logits_processor, stop_ids, tenant)
             return self._chunks(tokens, prompt_ids, params, stop_ids)
         seq = self.engine.add_request(prompt_ids, params, logits_processor, stop_ids, salt, tenant)
-        return self._chunks(self._engine_tokens(seq), prompt_ids, params, stop_ids)
+        return self._chunks(self._engine_tokens(seq, cancel), prompt_ids, params, stop_ids)
 
-    def _engine_tokens(self, seq):
-        """Yields (token, sampler, timings, stats) as the engine posts them; aborts the request if closed early."""
+    def _engine_tokens(self, seq, cancel: threading.Event | None = None):
+        """Yields (token, sampler, timings, stats) as the engine posts them; aborts the request if closed early or
+        cancelled."""
         stats = lambda: seq.speculation.stats if seq.speculation is not None else None  # noqa: E731
         try:
             while True:
-                kind, value = seq.outbox.get()
+                try:
+                    kind, value = seq.outbox.get(timeout=CANCEL_POLL_S if cancel is not None else None)
+                except queue.Empty:
+                    if cancel.is_set():
+                        return
+                    continue
                 if kind == "error":
                     raise value
                 if kind == "finished":

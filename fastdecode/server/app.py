@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -105,10 +106,11 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
             # Drafters remember earlier requests only within a tenant (the holders of one API key; with no key
             # configured nobody: each request its own), and cached prefixes are shared only within one too.
             tenant = getattr(request.state, "tenant", None)
-            run = scheduler.submit(lambda: llm.stream(job.prompt_ids, job.params, job.logits_processor,
-                                                      salt=cache_salt(tenant, job.cache_salt,
-                                                                      config.share_prefix_cache), tenant=tenant),
-                                   config.request_timeout_s)
+            salt = cache_salt(tenant, job.cache_salt, config.share_prefix_cache)
+            cancelled = threading.Event()  # set when the client leaves: the engine drops it even mid-prefill
+            run = scheduler.submit(lambda: llm.stream(job.prompt_ids, job.params, job.logits_processor, salt=salt,
+                                                      tenant=tenant, cancel=cancelled),
+                                   config.request_timeout_s, cancelled)
         except QueueFull as e:
             raise ApiError(429, f"The server is busy: {scheduler.waiting} requests are waiting for the engine. "
                                 f"Retry after {e.retry_after} s.", code="queue_full",

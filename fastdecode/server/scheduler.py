@@ -94,13 +94,17 @@ class Scheduler:
         for t in self.threads:
             t.join(timeout)
 
-    def submit(self, open_stream: Callable[[], Iterator[StreamChunk]], timeout_s: float) -> Run:
-        """Queues a request (call on the event loop); raises QueueFull when `max_queue` requests already wait."""
+    def submit(self, open_stream: Callable[[], Iterator[StreamChunk]], timeout_s: float,
+               cancelled: threading.Event | None = None) -> Run:
+        """Queues a request (call on the event loop); raises QueueFull when `max_queue` requests already wait.
+        `cancelled`: the event Run.cancel() sets, for a stream that can be told to stop while it waits for a token
+        (LLM.stream's `cancel`: a client that leaves mid-prefill)."""
         with self.lock:
             if self.waiting >= self.max_queue + self.slots - self.busy:  # idle slots take one each at once
                 raise QueueFull(max(1, math.ceil(self.service_s * (self.waiting + 1) / self.slots)))
             self.waiting += 1
-        run = Run(open_stream, asyncio.get_running_loop(), time.monotonic() + timeout_s)
+        run = Run(open_stream, asyncio.get_running_loop(), time.monotonic() + timeout_s,
+                  cancelled=cancelled or threading.Event())
         self._gauges()
         self.jobs.put(run)
         return run
@@ -150,4 +154,4 @@ class Scheduler:
                     break
         finally:
             stream.close()  # a stream closed early ends the request in the engine
-        run.post("end", end)
+        run.post("end", "cancelled" if run.cancelled.is_set() else end)

@@ -1,8 +1,12 @@
 """The engine on the real GGUF models against transformers loading the same file."""
+import threading
+import time
+
 import pytest
 import torch
 
 from fastdecode import LLM, SamplingParams
+from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.errors import InvalidRequestError
 
 PROMPTS = [
@@ -102,3 +106,21 @@ def test_long_prompt_is_prefilled_in_chunks_like_one_pass(smollm2_path):
     assert len(ids) > 3 * 16  # several chunks
     assert runs[0].token_ids == runs[1].token_ids
     assert runs[0].logprobs == runs[1].logprobs  # int4 rows: the same arithmetic in any chunk
+
+
+def test_a_cancelled_stream_leaves_the_engine_mid_prefill(smollm2_path):
+    """A client that leaves while its long prompt is prefilled (no token has come to close the stream on) is dropped
+    within a step, not when its first token comes."""
+    llm = LLM(str(smollm2_path), max_seq_len=4096, scheduler=SchedulerConfig(max_batched_tokens=64))
+    prompt = list(range(1000, 4500))  # 3,500 tokens in steps of 64 rows: seconds of prefill
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    t0 = time.perf_counter()
+    *_, last = llm.stream(prompt, SamplingParams(max_tokens=4), cancel=cancel)
+    waited = time.perf_counter() - t0
+    deadline = time.monotonic() + 2
+    while llm.engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert last.completion.token_ids == [] and llm.engine.num_running == 0
+    assert waited < 1.5, f"the stream ended {waited:.2f} s after it started, 0.3 s after it was cancelled"
+    llm.close()
