@@ -89,7 +89,8 @@ class KVCache:
 
     @staticmethod
     def _root(salt: str) -> int:
-        return int.from_bytes(hashlib.blake2b(b"fastdecode-kv\0" + salt.encode(), digest_size=16).digest(), "little")
+        key = b"fastdecode-kv\0" + salt.encode("utf-8", "surrogatepass")  # any str: a lone surrogate from JSON too
+        return int.from_bytes(hashlib.blake2b(key, digest_size=16).digest(), "little")
 
     def prefix_hashes(self, tokens: list[int], salt: str = "") -> list[int]:
         """The hash chain of every full block of `tokens`."""

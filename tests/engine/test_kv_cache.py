@@ -95,3 +95,8 @@ def test_slots_follow_the_block_table():
     kv = cache()
     table = BlockTable(blocks=[5, 2])
     assert kv.slots(table, 2, 6) == [22, 23, 8, 9]
+
+
+def test_any_salt_hashes_even_one_that_is_not_utf8():
+    kv = cache()
+    assert kv.prefix_hashes([1, 2, 3, 4], salt="\ud800") != kv.prefix_hashes([1, 2, 3, 4], salt="")

@@ -72,3 +72,13 @@ def test_a_keys_file_names_its_tenants_and_a_bad_line_is_one_error(tmp_path):
 
     result = CliRunner().invoke(main, ["serve", "--api-keys-file", str(bad)])
     assert result.exit_code == 2 and "NAME KEY" in result.output
+
+
+def test_a_cache_salt_that_is_not_text_is_a_400_and_the_engine_goes_on(llm):
+    """A lone surrogate (valid JSON, not UTF-8) is refused at the edge; the engine's salt hash takes any str anyway."""
+    body = b'{"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 1, "cache_salt": "\\ud800"}'
+    with client(llm) as http:
+        response = http.post("/v1/completions", content=body,
+                             headers={"Authorization": "Bearer alice-key", "Content-Type": "application/json"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt"
+        assert cached(http, "alice-key", "Hello", cache_salt="x") == 0  # the engine still serves
