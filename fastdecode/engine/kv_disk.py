@@ -66,7 +66,7 @@ class DiskTier:
         self.payload = self.runs * block_size * head_dim * k[0].element_size()
         self.file_bytes = HEADER.size + 4 * block_size + self.payload
         self.known: set[int] = set()  # prefix hashes this process knows are on disk (written or read)
-        self.hits = self.misses = self.written = self.dropped = 0
+        self.written = self.dropped = 0  # blocks on disk / skipped (a disk behind, or one that failed)
         self.writable = True
         self.pending: queue.SimpleQueue = queue.SimpleQueue()
         self.pending_bytes = 0
@@ -103,7 +103,6 @@ class DiskTier:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
-            self.misses += 1
             return False
         try:
             head = os.pread(fd, HEADER.size + 4 * self.block_size, 0)
@@ -130,9 +129,7 @@ class DiskTier:
             log.warning("kv disk tier: %s is not a whole block of this model; removed", path.name)
             with contextlib.suppress(OSError):
                 remove_files(self.root, [(path, self.file_bytes)])
-            self.misses += 1
             return False
-        self.hits += 1
         self.known.add(prefix_hash)
         return True
 

@@ -108,7 +108,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.path)
         # (Before forget_parsed: a GGUF's digest hashes its header, which the loader parsed.)
         disk_tier = prefix_cache and kv_files.cap_bytes(kv_disk_gb) > 0
-        self.weights_digest = kv_files.weights_digest(self.path) if disk_tier else None
+        weights = kv_files.weights_digest(self.path) if disk_tier else None
         from fastdecode.loading.gguf_file import forget_parsed  # (it imports gguf: not at `import fastdecode`)
 
         forget_parsed()  # the loader and the tokenizer shared one parse of a GGUF's header
@@ -121,8 +121,8 @@ class LLM:
         if engine and speculate in (None, "", "none", *MODEL_FREE):
             self._build_engine(native, max_batch, kv_cache_gb, prefix_cache, KV_DTYPES[kv_dtype],
                                scheduler or SchedulerConfig())
-            if self.weights_digest is not None:
-                self._attach_disk_tier(kv_files.cap_bytes(kv_disk_gb), dict(
+            if weights is not None:
+                self._attach_disk_tier(weights, kv_files.cap_bytes(kv_disk_gb), dict(
                     quant=quant, group_size=group_size, dtype=dtype, kv_dtype=kv_dtype, runner=self.runner.name,
                     config=repr(self.config)))
         else:
@@ -149,11 +149,11 @@ class LLM:
                 self.speculate, self.engine.measure_cost(COST_SIZES))
         release_openmp_workers()  # loading ran here; from now on the engine's thread computes (kernels/openmp.py)
 
-    def _attach_disk_tier(self, cap: int, parts: dict):
+    def _attach_disk_tier(self, weights: bytes, cap: int, parts: dict):
         """The prefix cache's disk tier, where $FASTDECODE_HOME/kv can be made: else one warning, and none."""
         kv = self.engine.kv
         try:
-            identity = kv_files.model_identity(self.path, self.weights_digest, parts)
+            identity = kv_files.model_identity(self.path, weights, parts)
             kv.disk = DiskTier(identity, kv.k, kv.v, kv.block_size, cap)
         except OSError as e:
             logging.getLogger(__name__).warning("kv disk tier off: %s", e)
