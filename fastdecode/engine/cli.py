@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from fastdecode.engine import kv_files
 from fastdecode.engine.generate import Timings
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.errors import FastdecodeError
@@ -257,8 +258,6 @@ def cache_command(ctx):
     removes it."""
     if ctx.invoked_subcommand is not None:
         return
-    from fastdecode.engine import kv_files
-
     table = Table(title=f"KV blocks on disk ({kv_files.kv_dir()}, cap {kv_files.cap_bytes() / 1e9:g} GB)")
     for column in ("model", "digest", "quant", "kv dtype", "blocks", "GB", "last used"):
         table.add_column(column)
@@ -273,8 +272,6 @@ def cache_command(ctx):
 @click.argument("digest", required=False)
 def cache_clear(digest):
     """Removes every model's stored blocks, or those of the model whose digest starts with DIGEST."""
-    from fastdecode.engine import kv_files
-
     files, size = kv_files.clear(digest=digest)
     click.echo(f"removed {files} blocks ({size / 1e9:.2f} GB)")
 
