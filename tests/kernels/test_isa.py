@@ -2,6 +2,10 @@
 int8 products in the same exact integers and floats in its own lane order, so it must agree with the AVX2 build to
 float rounding, and the CPU's best build must be the one the package uses."""
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +36,7 @@ def test_the_kernels_take_the_widest_build_unless_told_to_stay_narrow(monkeypatc
 
 
 @wide
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 40])  # 40: AMX tiles where the CPU has them
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 40])  # 40: the tiled kernel (AMX, else VNNI)
 def test_the_wide_build_computes_integer_matmuls_bit_for_bit_and_weight_only_int8_to_rounding(rows):
     narrow, wide_ops = native_ops_for("avx2"), native_ops_for("avx512")
     g = torch.Generator().manual_seed(rows)
@@ -60,6 +64,18 @@ def test_the_wide_build_computes_k_quant_matmuls_bit_for_bit(kind, rows):
     w = KQuantLinear(blocks(kind, 64, 512, seed=rows), kind, backend="native").qweight
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     assert torch.equal(wide_ops.kq_linear(x, w, None), narrow.kq_linear(x, w, None))
+
+
+@wide
+def test_without_amx_the_vnni_tiled_kernel_gives_the_narrow_builds_bits_too():
+    """From 16 rows the wide build takes blocks of 32 weight rows on AMX tiles where it may, else with vpdpbusd over
+    the tiles' layout (AMD's Zen 4, or FASTDECODE_AMX=0). The choice is made once per process, so the 40-row checks
+    above run again in a process without AMX: on a CPU with it, they covered the tiles."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "bit_for_bit and 40"],
+        cwd=Path(__file__).resolve().parents[2], env={**os.environ, "FASTDECODE_AMX": "0"}, capture_output=True,
+        text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]  # (5 had none of them run)
 
 
 @wide

@@ -154,7 +154,7 @@ def kernel_reference(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tenso
 
 
 @NATIVE
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 40])  # 17, 40: AMX tiles where the CPU has them
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 40])  # 17, 40: the tiled kernel (AMX, else VNNI)
 def test_native_kernel_is_the_integer_arithmetic_of_llama_cpp(m):
     # Every code and the scales through the lookup, the offset and the per-block scaling: float64 arithmetic on the
     # same int8 activations agrees to float32 rounding of the sums.
@@ -179,8 +179,8 @@ def test_native_output_within_activation_rounding_of_dequantized_matmul(m):
 
 @NATIVE
 def test_native_row_does_not_depend_on_how_many_rows_share_the_call():
-    """Up to 4 rows a pass, and from 16 rows on a CPU with AMX the tiles take blocks of 32 weight rows (here 32 of the
-    44): a verify step, a prompt chunk and a batch must reproduce decode steps bit for bit."""
+    """Up to 4 rows a pass, and from 16 rows the tiled kernel (AMX, else VNNI over the tiles' layout) takes blocks of 32
+    weight rows (here 32 of the 44): a verify step, a prompt chunk and a batch must reproduce decode steps bit for bit."""
     layer = Fp4Linear("mxfp4", mxfp4_weight(44, 320, seed=0), torch.randn(44), backend="native")
     x = torch.randn(40, 320)
     for m in (1, 2, 3, 4, 5, 9, 15, 16, 17, 33, 40):

@@ -61,9 +61,9 @@ def test_native_packing_writes_the_bytes_of_the_strided_moves(monkeypatch):
 
 
 def test_native_row_does_not_depend_on_how_many_rows_share_the_call():
-    """The kernel takes 1, 2, 4 or 8 rows per pass, and from 16 rows on a CPU with AMX the tiles take blocks of 32
-    weight rows (here 64 of the 72; the VNNI kernel the rest): a verify step, a prompt chunk and a batch must reproduce
-    decode steps bit for bit."""
+    """The kernel takes 1, 2, 4 or 8 rows per pass, and from 16 rows the tiled kernel (AMX, else VNNI over the tiles'
+    layout) takes blocks of 32 weight rows (here 64 of the 72; the VNNI kernel the rest): a verify step, a prompt chunk
+    and a batch must reproduce decode steps bit for bit."""
     torch.manual_seed(0)
     layer = Int4Linear.from_weight(torch.randn(72, 320), torch.randn(72), 32, backend="native")
     x = torch.randn(70, 320)

@@ -70,7 +70,7 @@ def activation_step_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @NATIVE
-@pytest.mark.parametrize("m", [1, 5, 40])  # 40: AMX tiles where the CPU has them
+@pytest.mark.parametrize("m", [1, 5, 40])  # 40: the tiled kernel (AMX, else VNNI)
 def test_native_kernel_computes_with_the_encoded_weights_in_both_layouts(m):
     """A Q8_0 tensor goes into pair tiles (272 bytes per tile and pair of blocks) and is computed with int8
     activations, as llama.cpp does; anything else into weight-only tiles (144 bytes per tile and block), float
@@ -92,10 +92,10 @@ def test_native_kernel_computes_with_the_encoded_weights_in_both_layouts(m):
 @NATIVE
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_native_row_does_not_depend_on_how_many_rows_share_the_call(symmetric):
-    """Weight-only: up to 5 rows are computed from weights dequantized in registers, more from a dequantized copy of
-    the tile (on AVX-512, of two tiles at once; 11 tiles leave one alone). Pair tiles: up to 4 rows a pass, and from
-    16 rows on a CPU with AMX the tiles take blocks of 32 weight rows (here 32 of the 44). A verify step must
-    reproduce decode steps bit for bit either way."""
+    """Weight-only: up to 5 rows are computed from weights dequantized in registers, more from a dequantized copy of the
+    tile (on AVX-512, of two tiles at once; 11 tiles leave one alone). Pair tiles: up to 4 rows a pass, and from 16 rows
+    the tiled kernel (AMX, else VNNI over the tiles' layout) takes blocks of 32 weight rows (here 32 of the 44). A
+    verify step must reproduce decode steps bit for bit either way."""
     torch.manual_seed(0)
     if symmetric:
         q = torch.randint(-128, 128, (44, 320), dtype=torch.int8)

@@ -82,8 +82,9 @@ def test_native_output_within_activation_rounding_of_dequantized_matmul(kind, m)
 @pytest.mark.parametrize("kind", KINDS)
 def test_native_row_does_not_depend_on_how_many_rows_share_the_call(kind):
     """Q4_K/Q5_K: 1 or 2 rows take all 4 weight rows in one pass, groups of 4 and 8 a pass per weight row, and from 16
-    rows on a CPU with AMX the tiles take blocks of 32 weight rows (64 of the 72; the VNNI kernel the rest); Q6_K calls
-    of up to 8 rows: a verify step, a prompt chunk or a batch must reproduce decode steps bit for bit."""
+    rows the tiled kernel (AMX, else VNNI over the tiles' layout) takes blocks of 32 weight rows (64 of the 72; the VNNI
+    kernel the rest); Q6_K calls of up to 8 rows: a verify step, a prompt chunk or a batch must reproduce decode steps
+    bit for bit."""
     torch.manual_seed(0)
     layer = KQuantLinear(blocks(kind, 72, 512), kind, torch.randn(72), backend="native")
     x = torch.randn(70, 512)
