@@ -21,7 +21,8 @@
 //
 // Without AMX (an AVX-512 CPU such as AMD's Zen 4, or FASTDECODE_AMX=0) the same unpacked B feeds vpdpbusd with each
 // activation row's 4 bytes broadcast (vnni_linear): one weight row loaded serves 4 activation rows, against the
-// VNNI kernels' unpacking of every weight tile per pair of rows. Measured on a Zen 4 EPYC, 2 threads, 512 rows:
+// VNNI kernels' unpacking of every weight tile per pair of rows. The AVX2 build does the same with vpmaddubsw
+// (1.2-1.4x its own many-row kernels, measured on that Zen 4 running the AVX2 build, medians of 7, 64 and 512 rows). Measured on a Zen 4 EPYC, 2 threads, 512 rows:
 // int4 (Q4_0) 470-560 GOP/s against 310-350, Q4_K 502 against 297, Q5_K 522 / 272, Q6_K 457 / 200, MXFP4 658 / 191;
 // vpdpbusd alone (registers only) runs at 813. The rest is the float work that the arithmetic above fixes per unit
 // and output (convert, scale, FMA, and the mins' FMA), about 3 operations for every 8 vpdpbusd.
@@ -46,7 +47,6 @@
 
 namespace fastdecode {
 
-#ifdef __AMX_INT8__
 namespace {
 
 constexpr int64_t ROWS = 32, COLS = 32;  // activation rows and weight rows per block of outputs: 2 x 2 tiles
@@ -65,6 +65,7 @@ template <AmxFormat F> struct Traits {
   static constexpr int64_t B_BYTES = UNIT / 4 * 64;  // a B tile: UNIT / 4 rows of 16 columns x 4 bytes
 };
 
+#ifdef __AMX_INT8__
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -80,51 +81,97 @@ void configure_tiles(int64_t unit) {
   for (int b = 6; b < 8; ++b) cfg.rows[b] = unit / 4, cfg.colsb[b] = 64;
   _tile_loadconfig(&cfg);
 }
+#endif
 
-// v[r]: 128-bit lane i = the 16 bytes at p + stride r of tile i (output column 4 i + r), for 4 tiles.
-inline void load_rows(const uint8_t* p, int64_t stride, int64_t tile_bytes, __m512i v[4]) {
-  for (int r = 0; r < 4; ++r) {
-    const uint8_t* row = p + stride * r;
-    __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)row));
+// The integer vectors unpack_b rearranges bytes in: 4 tiles' rows at once with AVX-512 (a B row of 16 columns in one
+// register), 2 with AVX2 (a B row in two halves of 8 columns). Every operation works within 128-bit lanes, one lane a
+// tile, so both builds write the same bytes.
+#ifdef __AVX512F__
+struct IVec {
+  using T = __m512i;
+  static constexpr int TILES = 4;
+  static T tiles(const uint8_t* row, int64_t tile_bytes) {  // lane i: the 16 bytes at row + i tile_bytes
+    T z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)row));
     z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(row + tile_bytes)), 1);
     z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(row + 2 * tile_bytes)), 2);
-    v[r] = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(row + 3 * tile_bytes)), 3);
+    return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(row + 3 * tile_bytes)), 3);
   }
+  static T lo32(T a, T b) { return _mm512_unpacklo_epi32(a, b); }
+  static T hi32(T a, T b) { return _mm512_unpackhi_epi32(a, b); }
+  static T lo64(T a, T b) { return _mm512_unpacklo_epi64(a, b); }
+  static T hi64(T a, T b) { return _mm512_unpackhi_epi64(a, b); }
+  static T bytes(char b) { return _mm512_set1_epi8(b); }
+  static T lanes(__m128i v) { return _mm512_broadcast_i32x4(v); }
+  static T and_(T a, T b) { return _mm512_and_si512(a, b); }
+  static T or_(T a, T b) { return _mm512_or_si512(a, b); }
+  static T xor_(T a, T b) { return _mm512_xor_si512(a, b); }
+  static T srl16(T v, unsigned bits) { return _mm512_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
+  static T sll16(T v, unsigned bits) { return _mm512_sll_epi16(v, _mm_cvtsi32_si128(bits)); }
+  static T shuffle8(T table, T index) { return _mm512_shuffle_epi8(table, index); }
+  static void store(uint8_t* p, T v) { _mm512_storeu_si512(p, v); }
+};
+#else
+struct IVec {
+  using T = __m256i;
+  static constexpr int TILES = 2;
+  static T tiles(const uint8_t* row, int64_t tile_bytes) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)row)),
+                                   _mm_loadu_si128((const __m128i*)(row + tile_bytes)), 1);
+  }
+  static T lo32(T a, T b) { return _mm256_unpacklo_epi32(a, b); }
+  static T hi32(T a, T b) { return _mm256_unpackhi_epi32(a, b); }
+  static T lo64(T a, T b) { return _mm256_unpacklo_epi64(a, b); }
+  static T hi64(T a, T b) { return _mm256_unpackhi_epi64(a, b); }
+  static T bytes(char b) { return _mm256_set1_epi8(b); }
+  static T lanes(__m128i v) { return _mm256_broadcastsi128_si256(v); }
+  static T and_(T a, T b) { return _mm256_and_si256(a, b); }
+  static T or_(T a, T b) { return _mm256_or_si256(a, b); }
+  static T xor_(T a, T b) { return _mm256_xor_si256(a, b); }
+  static T srl16(T v, unsigned bits) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
+  static T sll16(T v, unsigned bits) { return _mm256_sll_epi16(v, _mm_cvtsi32_si128(bits)); }
+  static T shuffle8(T table, T index) { return _mm256_shuffle_epi8(table, index); }
+  static void store(uint8_t* p, T v) { _mm256_storeu_si256((__m256i*)p, v); }
+};
+#endif
+using V = IVec::T;
+
+// v[r]: 128-bit lane i = the 16 bytes at p + stride r of tile i (output column 4 i + r), for IVec::TILES tiles.
+inline void load_rows(const uint8_t* p, int64_t stride, int64_t tile_bytes, V v[4]) {
+  for (int r = 0; r < 4; ++r) v[r] = IVec::tiles(p + stride * r, tile_bytes);
 }
 
-// A 4 x 4 transpose of dwords in each lane: o[kk] = dword kk of the 16 columns, in column order.
-inline void transpose(const __m512i v[4], __m512i o[4]) {
-  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
-  o[0] = _mm512_unpacklo_epi64(t0, t2), o[1] = _mm512_unpackhi_epi64(t0, t2);
-  o[2] = _mm512_unpacklo_epi64(t1, t3), o[3] = _mm512_unpackhi_epi64(t1, t3);
+// A 4 x 4 transpose of dwords in each lane: o[kk] = dword kk of the lanes' columns, in column order.
+inline void transpose(const V v[4], V o[4]) {
+  const V t0 = IVec::lo32(v[0], v[1]), t1 = IVec::hi32(v[0], v[1]);
+  const V t2 = IVec::lo32(v[2], v[3]), t3 = IVec::hi32(v[2], v[3]);
+  o[0] = IVec::lo64(t0, t2), o[1] = IVec::hi64(t0, t2);
+  o[2] = IVec::lo64(t1, t3), o[3] = IVec::hi64(t1, t3);
 }
 
-inline __m512i srl16(__m512i v, unsigned bits) { return _mm512_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
-
-// 16 weight rows (4 tiles from `tile`) of unit u -> B: row kk holds each column's elements 4 kk .. 4 kk + 3 of the
-// unit, so B's k runs over the unit's elements in order, as the activations lie.
+// The weight rows of IVec::TILES tiles from `tile`, unit u -> their columns' part of each B row (unpack_b): row kk
+// holds each column's elements 4 kk .. 4 kk + 3 of the unit, so B's k runs over the unit's elements in order, as
+// the activations lie.
 // int4 / Q4_K / Q5_K (block u of 32): rows kk < 4 the low nibbles of the column's bytes 4 kk .., rows 4 + kk the
 // high nibbles (byte e = q[e] | q[e + 16] << 4); Q5_K adds each value's fifth bit (bit 2 p of the fifth-bit byte for
 // the low nibble of pair p's byte, bit 2 p + 1 for the high one). Q6_K (sub-block u of 16, element e of block i of a
 // half): the low nibble (i < 2) or high nibble of ql byte 32 (i % 2) + e, with bits 2 i, 2 i + 1 of qh byte e on top.
 template <AmxFormat F>
-void unpack_b(const uint8_t* tile, int64_t tile_bytes, int64_t u, uint8_t* out) {
-  __m512i v[4], o[4];
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+void unpack_part(const uint8_t* tile, int64_t tile_bytes, int64_t u, uint8_t* out) {
+  V v[4], o[4];
+  const V low4 = IVec::bytes(0x0F);
   if (F == AmxFormat::Q6K) {
     const int64_t sb = u / 16, h = u % 16 / 8, i = u % 8 / 2, s = u % 2;
     const uint8_t* q = tile + sb * Q6K_SB + 72 + 384 * h;
-    __m512i hv[4], ho[4];
+    V hv[4], ho[4];
     load_rows(q + 32 * (i % 2) + 16 * s, 96, tile_bytes, v);
     load_rows(q + 64 + 16 * s, 96, tile_bytes, hv);
     transpose(v, o);
     transpose(hv, ho);
-    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    const V bits45 = IVec::bytes(0x30);
     for (int kk = 0; kk < 4; ++kk) {
-      const __m512i lo = _mm512_and_si512(srl16(o[kk], 4 * (i / 2)), low4);
-      const __m512i hi = _mm512_and_si512(_mm512_slli_epi16(srl16(ho[kk], 2 * i), 4), bits45);
-      _mm512_store_si512(out + 64 * kk, _mm512_or_si512(lo, hi));
+      const V lo = IVec::and_(IVec::srl16(o[kk], 4 * (i / 2)), low4);
+      const V hi = IVec::and_(IVec::sll16(IVec::srl16(ho[kk], 2 * i), 4), bits45);
+      IVec::store(out + 64 * kk, IVec::or_(lo, hi));
     }
     return;
   }
@@ -132,20 +179,19 @@ void unpack_b(const uint8_t* tile, int64_t tile_bytes, int64_t u, uint8_t* out) 
     for (int h = 0; h < 2; ++h) {
       load_rows(tile + u / 2 * Q8_PAIR + 16 + 16 * (u % 2) + 32 * h, 64, tile_bytes, v);
       transpose(v, o);
-      for (int kk = 0; kk < 4; ++kk)
-        _mm512_store_si512(out + 64 * (4 * h + kk), _mm512_xor_si512(o[kk], _mm512_set1_epi8(-128)));
+      for (int kk = 0; kk < 4; ++kk) IVec::store(out + 64 * (4 * h + kk), IVec::xor_(o[kk], IVec::bytes(-128)));
     }
     return;
   }
-  __m512i lo[4], hi[4];
+  V lo[4], hi[4];
   const uint8_t* q;
   if (F == AmxFormat::FP4) {  // each code through the table of doubled E2M1 values + 12 (fp4.cpp)
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    const V lut = IVec::lanes(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
     load_rows(tile + u / 2 * FP4_PAIR + 8 + 16 * (u % 2), 32, tile_bytes, v);
     transpose(v, o);
     for (int kk = 0; kk < 4; ++kk) {
-      _mm512_store_si512(out + 64 * kk, _mm512_shuffle_epi8(lut, _mm512_and_si512(o[kk], low4)));
-      _mm512_store_si512(out + 64 * (4 + kk), _mm512_shuffle_epi8(lut, _mm512_and_si512(srl16(o[kk], 4), low4)));
+      IVec::store(out + 64 * kk, IVec::shuffle8(lut, IVec::and_(o[kk], low4)));
+      IVec::store(out + 64 * (4 + kk), IVec::shuffle8(lut, IVec::and_(IVec::srl16(o[kk], 4), low4)));
     }
     return;
   }
@@ -154,23 +200,29 @@ void unpack_b(const uint8_t* tile, int64_t tile_bytes, int64_t u, uint8_t* out) 
            16 * (u % 2);
   load_rows(q, 32, tile_bytes, v);
   transpose(v, o);
-  for (int kk = 0; kk < 4; ++kk)
-    lo[kk] = _mm512_and_si512(o[kk], low4), hi[kk] = _mm512_and_si512(srl16(o[kk], 4), low4);
+  for (int kk = 0; kk < 4; ++kk) lo[kk] = IVec::and_(o[kk], low4), hi[kk] = IVec::and_(IVec::srl16(o[kk], 4), low4);
   if (F == AmxFormat::Q5K) {
     load_rows(tile + u / 8 * Q5K_SB + 80 + 16 * (u % 2), 32, tile_bytes, v);
     transpose(v, o);
-    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    const V bit4 = IVec::bytes(0x10);
     const unsigned p = u % 8 / 2;
     for (int kk = 0; kk < 4; ++kk) {
-      const __m512i bits = srl16(o[kk], 2 * p);
-      lo[kk] = _mm512_or_si512(lo[kk], _mm512_and_si512(_mm512_slli_epi16(bits, 4), bit4));
-      hi[kk] = _mm512_or_si512(hi[kk], _mm512_and_si512(_mm512_slli_epi16(bits, 3), bit4));
+      const V bits = IVec::srl16(o[kk], 2 * p);
+      lo[kk] = IVec::or_(lo[kk], IVec::and_(IVec::sll16(bits, 4), bit4));
+      hi[kk] = IVec::or_(hi[kk], IVec::and_(IVec::sll16(bits, 3), bit4));
     }
   }
   for (int kk = 0; kk < 4; ++kk) {
-    _mm512_store_si512(out + 64 * kk, lo[kk]);
-    _mm512_store_si512(out + 64 * (4 + kk), hi[kk]);
+    IVec::store(out + 64 * kk, lo[kk]);
+    IVec::store(out + 64 * (4 + kk), hi[kk]);
   }
+}
+
+// 16 weight rows (4 tiles from `tile`) of unit u -> B (B_BYTES: UNIT / 4 rows of the 16 columns' 4 bytes).
+template <AmxFormat F>
+void unpack_b(const uint8_t* tile, int64_t tile_bytes, int64_t u, uint8_t* out) {
+  for (int part = 0; part < 4 / IVec::TILES; ++part)
+    unpack_part<F>(tile + part * IVec::TILES * tile_bytes, tile_bytes, u, out + part * 16 * IVec::TILES);
 }
 
 inline float fp16(const uint8_t* p) {
@@ -222,17 +274,21 @@ void weight_factors(const uint8_t* tile, int64_t tile_bytes, int64_t units, floa
       }
 }
 
-// Thread-local working memory, 64-byte aligned (tile loads and zmm stores).
+// Thread-local working memory, 64-byte aligned (tile loads and vector stores).
+struct alignas(64) Line {
+  uint8_t bytes[64];
+};
 template <AmxFormat F>
 struct Scratch {
   using T = Traits<F>;
-  std::vector<__m512i> b, c, acc;
+  std::vector<Line> b, c, acc;
   std::vector<float> dw, mw;
   explicit Scratch(int64_t units)
       : b(units * 2 * T::B_BYTES / 64), c(2 * 4 * 16), acc(T::CLASSES * ROWS * COLS / 16), dw(units * COLS),
         mw(T::MINS ? units * COLS : 0) {}
 };
 
+#ifdef __AMX_INT8__
 bool tiles_permitted() {
   static const bool ready = [] {
     const char* env = std::getenv("FASTDECODE_AMX");
@@ -244,6 +300,9 @@ bool tiles_permitted() {
   }();
   return ready;
 }
+#else
+bool tiles_permitted() { return false; }  // the AVX2 build has no tiles
+#endif
 
 // The quantized rows: xq (Mp, K) int8 in element order, padded with zero rows to Mp, a multiple of 32; xd (K / 32,
 // Mp) the d_x of each (block, row), zero in the padding; xsx (M, K / 32) each (row, block)'s d_x * sum(q_x) (the
@@ -265,37 +324,37 @@ void finish_rows(const float* acc, int64_t acc_rows, int64_t rows, const Rows& x
   using T = Traits<F>;
   const int64_t blocks = int64_t(x.xsx.size()) / x.M;
   for (int64_t r = 0; r < rows; ++r)
-    for (int j = 0; j < 2; ++j) {
-      const float* a = acc + r * COLS + 16 * j;
-      const auto cls = [&](int k) { return _mm512_loadu_ps(a + k * acc_rows * COLS); };
-      __m512 y;
+    for (int j = 0; j < COLS; j += VW) {
+      const float* a = acc + r * COLS + j;
+      const auto cls = [&](int k) { return vload(a + k * acc_rows * COLS); };
+      vecf y;
       if (T::MINS) {  // the mins' chains, then ((E + O) + ME) + MO
         const float* sx = x.xsx.data() + (m0 + r) * blocks;
-        const float* mwj = mw + 16 * j;
-        __m512 me = _mm512_setzero_ps(), mo = _mm512_setzero_ps();
+        const float* mwj = mw + j;
+        vecf me = vzero(), mo = vzero();
         for (int64_t b = 0; b < blocks; b += 2) {
-          const __m512 we = _mm512_loadu_ps(mwj + b * COLS), wo = _mm512_loadu_ps(mwj + (b + 1) * COLS);
+          const vecf we = vload(mwj + b * COLS), wo = vload(mwj + (b + 1) * COLS);
           if (F == AmxFormat::Q4) {
-            me = _mm512_fmadd_ps(we, _mm512_set1_ps(sx[b]), me);
-            mo = _mm512_fmadd_ps(wo, _mm512_set1_ps(sx[b + 1]), mo);
+            me = vfma(we, vset1(sx[b]), me);
+            mo = vfma(wo, vset1(sx[b + 1]), mo);
           } else {
-            me = _mm512_fnmadd_ps(we, _mm512_set1_ps(sx[b]), me);
-            mo = _mm512_fnmadd_ps(wo, _mm512_set1_ps(sx[b + 1]), mo);
+            me = vfnma(we, vset1(sx[b]), me);
+            mo = vfnma(wo, vset1(sx[b + 1]), mo);
           }
         }
-        y = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(cls(0), cls(1)), me), mo);
+        y = vadd(vadd(vadd(cls(0), cls(1)), me), mo);
       } else if (T::CLASSES == 2) {
-        y = _mm512_add_ps(cls(0), cls(1));
+        y = vadd(cls(0), cls(1));
       } else {  // hsum's order over the 8 classes of sub-blocks
-        y = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(cls(0), cls(1)), _mm512_add_ps(cls(4), cls(5))),
-                          _mm512_add_ps(_mm512_add_ps(cls(2), cls(3)), _mm512_add_ps(cls(6), cls(7))));
+        y = vadd(vadd(vadd(cls(0), cls(1)), vadd(cls(4), cls(5))), vadd(vadd(cls(2), cls(3)), vadd(cls(6), cls(7))));
       }
-      const int64_t n = nb * COLS + 16 * j;
-      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n));
-      _mm512_storeu_ps(Y + (m0 + r) * N + n, y);
+      const int64_t n = nb * COLS + j;
+      if (bias) y = vadd(y, vload(bias + n));
+      vstore(Y + (m0 + r) * N + n, y);
     }
 }
 
+#ifdef __AMX_INT8__
 template <AmxFormat F>
 void tiles_linear(const uint8_t* W, int64_t tile_bytes, int64_t K, int64_t n_blocks, const Rows& x, int64_t N,
                   const float* bias, float* Y) {
@@ -372,7 +431,7 @@ void tiles_linear(const uint8_t* W, int64_t tile_bytes, int64_t K, int64_t n_blo
     _tile_release();
   });
 }
-
+#endif
 
 // The same sums without the tiles (a CPU with AVX-512 VNNI but no AMX, or AMX not permitted), over the same unpacked
 // B: VNNI_ROWS activation rows against the block's 32 columns, one vpdpbusd per (row, 16 columns, 4 k) with the
@@ -381,6 +440,11 @@ void tiles_linear(const uint8_t* W, int64_t tile_bytes, int64_t K, int64_t n_blo
 // registers for two classes (Q6_K's eight in memory), in the order the tiles' scale_into adds them: bit for bit.
 // Against the VNNI kernels of quant.cpp and kquant.cpp, which unpack each weight tile per pair of activation rows,
 // the unpacking is paid once per block of 32 columns for all the rows.
+// The AVX2 build does the same with vpmaddubsw and vpmaddwd (weights unsigned, activations signed, pairs of products
+// summed into int16 then pairs of those into int32): exact while a pair of products stays within int16, which every
+// format's values keep (|q| <= 63, |x| <= 127) but Q8_0's q + 128 (tiled_min_rows leaves Q8_0 to quant.cpp there).
+// 2 rows against the 32 columns' 4 vectors (16 registers), the classes in memory.
+#ifdef __AVX512F__
 constexpr int64_t VNNI_ROWS = 4;
 
 template <AmxFormat F>
@@ -436,6 +500,64 @@ void vnni_rows(const uint8_t* bbuf, const float* dw, const Rows& x, int64_t m0, 
         _mm512_storeu_ps(acc + (c * R + r) * COLS + 16, cls[c][r][1]);
       }
 }
+#else
+constexpr int64_t VNNI_ROWS = 2;
+
+// How many vpmaddubsw results (pairs of products) one int16 lane can add up exactly: 2 |q|max 127 per step against
+// 32767 (q <= 15: 8 steps, a whole unit; Q5_K's 31: 4; MXFP4's doubled values + 12, <= 24: 4; Q6_K's 63: 2).
+template <AmxFormat F>
+constexpr int64_t int16_steps() {
+  return F == AmxFormat::Q6K ? 2 : F == AmxFormat::Q5K || F == AmxFormat::FP4 ? 4 : 8;
+}
+
+template <AmxFormat F>
+void vnni_rows(const uint8_t* bbuf, const float* dw, const Rows& x, int64_t m0, int64_t K, float* acc) {
+  using T = Traits<F>;
+  constexpr int64_t UNIT = T::UNIT, CLASSES = T::CLASSES, B_BYTES = T::B_BYTES, R = VNNI_ROWS;
+  constexpr int64_t STEPS = std::min<int64_t>(int16_steps<F>(), UNIT / 4);
+  const int64_t units = K / UNIT, Mp = x.Mp;
+  const __m256i ones = _mm256_set1_epi16(1);
+  std::memset(acc, 0, sizeof(float) * CLASSES * R * COLS);
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* b = bbuf + 2 * u * B_BYTES;  // per B row: columns 0..15 (64 bytes), then 16..31 B_BYTES on
+    const int8_t* xr = x.xq.data() + m0 * K + UNIT * u;
+    __m256i sums[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c)
+        sums[r][c] = T::MINS ? _mm256_setzero_si256() : _mm256_set1_epi32(-x.xo[u * Mp + m0 + r]);
+    for (int64_t k0 = 0; k0 < UNIT / 4; k0 += STEPS) {
+      __m256i pairs[R][4];  // int16 sums of pairs of products, STEPS of them per lane
+#pragma GCC unroll 8
+      for (int64_t kk = k0; kk < k0 + STEPS; ++kk) {
+        __m256i w[4];
+        for (int c = 0; c < 4; ++c)
+          w[c] = _mm256_load_si256((const __m256i*)(b + c / 2 * B_BYTES + 64 * kk + 32 * (c % 2)));
+        for (int r = 0; r < R; ++r) {
+          int32_t quad;
+          std::memcpy(&quad, xr + r * K + 4 * kk, 4);
+          const __m256i xv = _mm256_set1_epi32(quad);
+          for (int c = 0; c < 4; ++c) {
+            const __m256i p = _mm256_maddubs_epi16(w[c], xv);
+            pairs[r][c] = kk == k0 ? p : _mm256_add_epi16(pairs[r][c], p);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) sums[r][c] = _mm256_add_epi32(sums[r][c], _mm256_madd_epi16(pairs[r][c], ones));
+    }
+    const float* dx = x.xd.data() + u * UNIT / 32 * Mp + m0;
+    for (int r = 0; r < R; ++r) {
+      const __m256 dxr = _mm256_set1_ps(dx[r]);
+      float* a = acc + (u % CLASSES * R + r) * COLS;
+      for (int c = 0; c < 4; ++c) {
+        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(dw + u * COLS + 8 * c), dxr);
+        _mm256_storeu_ps(a + 8 * c,
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][c]), scale, _mm256_loadu_ps(a + 8 * c)));
+      }
+    }
+  }
+}
+#endif
 
 // Spread over the threads by blocks of 32 columns, each unpacked once for all the rows. (Blocks of 32 to 256 rows,
 // each column block unpacked again per row block so that the rows stay in L2, measured slower at every shape of the
@@ -466,12 +588,15 @@ void vnni_linear(const uint8_t* W, int64_t tile_bytes, int64_t K, int64_t n_bloc
 
 bool amx_int8_ready() { return tiles_permitted(); }
 
-int64_t tiled_min_rows() {
+int64_t tiled_min_rows(AmxFormat f) {
   static const int64_t rows = [] {
     if (tiles_permitted()) return AMX_MIN_ROWS;
     const char* env = std::getenv("FASTDECODE_VNNI_TILED");
     return env && std::strcmp(env, "0") == 0 ? INT64_MAX : VNNI_MIN_ROWS;
   }();
+#ifndef __AVX512F__
+  if (f == AmxFormat::Q8) return INT64_MAX;  // vpmaddubsw would saturate on q + 128 (vnni_rows)
+#endif
   return rows;
 }
 
@@ -500,8 +625,10 @@ void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t
   });
   const auto run = [&](auto format) {
     constexpr AmxFormat F = decltype(format)::value;
-    if (tiles_permitted()) tiles_linear<F>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
-    else vnni_linear<F>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
+#ifdef __AMX_INT8__
+    if (tiles_permitted()) return tiles_linear<F>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
+#endif
+    vnni_linear<F>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
   };
   switch (f) {
     case AmxFormat::Q4: return run(std::integral_constant<AmxFormat, AmxFormat::Q4>{});
@@ -513,15 +640,5 @@ void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t
   }
 }
 
-#else  // a build without AMX (the AVX2 one): never ready, never called
-
-bool amx_int8_ready() { return false; }
-
-int64_t tiled_min_rows() { return INT64_MAX; }
-
-void amx_linear(AmxFormat, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*,
-                float*) {}
-
-#endif
 
 }  // namespace fastdecode

@@ -13,20 +13,21 @@ enum class AmxFormat { Q4, Q4K, Q5K, Q6K, Q8, FP4 };
 // the same for 1 row as for 16 (unpacking the weights into the tiles' layout dominates), rows padded to 16 or 32.
 constexpr int64_t AMX_MIN_ROWS = 16;
 
-// The same without the tiles (AVX-512 VNNI over their layout): measured in bench/matmuls.py (see amx.cpp).
+// The same without the tiles (VNNI or AVX2 over their layout): measured with prefill's shapes (see amx.cpp).
 constexpr int64_t VNNI_MIN_ROWS = 16;
 
 // Whether this process may use AMX's int8 tiles: a CPU with them, the OS's permission, FASTDECODE_AMX not 0, and this
 // build (the AVX-512 one) has them.
 bool amx_int8_ready();
 
-// From how many activation rows amx_linear takes a matmul's blocks of 32 weight rows: AMX_MIN_ROWS on the tiles, else
-// (AVX-512 VNNI over the tiles' layout) VNNI_MIN_ROWS, unless FASTDECODE_VNNI_TILED=0; never in the AVX2 build.
-int64_t tiled_min_rows();
+// From how many activation rows amx_linear takes a matmul's blocks of 32 weight rows in format f: AMX_MIN_ROWS on the
+// tiles, else (vpdpbusd, or AVX2's vpmaddubsw, over the tiles' layout) VNNI_MIN_ROWS, unless FASTDECODE_VNNI_TILED=0;
+// never Q8_0 in the AVX2 build (its q + 128 would saturate vpmaddubsw's int16 sums).
+int64_t tiled_min_rows(AmxFormat f);
 
 // Y[:, :n_blocks * 32] = X @ W.T (+ bias) for X (M, K) float, W the format's packed tiles (tile_bytes per 4 weight
 // rows), Y (M, N): bit for bit what the VNNI kernel gives for those columns, on AMX tiles where permitted, else with
-// VNNI over the tiles' layout.
+// VNNI (AVX2: vpmaddubsw) over the tiles' layout.
 void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes,
                 int64_t n_blocks, int64_t N, const float* bias, float* Y);
 

@@ -23,6 +23,8 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
                          double swiglu_limit, double swiglu_alpha, int64_t top_k, bool norm_topk,
                          bool softmax_after_topk);
 
+std::vector<double> forward_profile(bool reset);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W 8-bit packed (N/4, K/32, 144) with fp16 block scales and offsets, or Q8_0 pair tiles (N/4, K/64, 272)");
   m.def("q4_linear", &fastdecode::q4_linear,
@@ -48,4 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_batch", &forward_batch, py::call_guard<py::gil_scoped_release>(),
         "the new rows of a batch of sequences (decode steps, prompt chunks, draft trees) through every layer over a "
         "paged KV cache (see decode_step.cpp)");
+  m.def("forward_profile", &forward_profile, py::arg("reset") = false,
+        "forward_batch's (calls, rows, matmul s, attention s, total s) since the last reset (the rest: norms, rotary, "
+        "cache writes, activations, residuals)");
 }

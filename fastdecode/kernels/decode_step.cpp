@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -813,6 +814,22 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor* w, int64_t top_k, bool nor
   return out;
 }
 
+// Where forward_batch's time goes, summed over calls until read (forward_profile): the matmuls (a mixture-of-experts
+// layer's routing and experts whole), attention, and the whole call; the rest is norms, rotary, the cache writes,
+// the activations and the residual adds. A clock read per part and layer costs nothing next to them.
+struct Profile {
+  double matmul = 0, attention = 0, total = 0;
+  int64_t calls = 0, rows = 0;
+};
+Profile profile;
+
+struct Timed {  // adds the seconds from its construction to its destruction to `into`
+  double& into;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  explicit Timed(double& into) : into(into) {}
+  ~Timed() { into += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); }
+};
+
 }  // namespace
 
 // x (R, D) float32 embeddings of the new rows of a batch of sequences -> (R, D) residual stream after the last layer
@@ -833,6 +850,8 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
                          bool softmax_after_topk) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (R, D) float32");
   TORCH_CHECK(weights.size() == windows.size() * SLOTS, "weights do not match the layer count");
+  const Timed whole(profile.total);
+  ++profile.calls, profile.rows += x.size(0);
   const int64_t T = x.size(0), D = x.size(1), L = windows.size(), qn = H * hd, kn = K * hd, B = context.numel();
   for (const at::Tensor* t : {&positions, &slots, &seq_rows, &context, &block_table})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "batch index tensors must be contiguous int64");
@@ -877,8 +896,12 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
     const float* sinks = present(w[SINKS]) ? w[SINKS].data_ptr<float>() : nullptr;
 
     for (int64_t t = 0; t < T; ++t) rms_norm(X + t * D, w[IN_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
-    at::Tensor qkv = linear(h, w[QKV_W], w[QKV_B]);  // (T, qn + 2 kn)
-    if (present(w[QKV2_W])) qkv = at::cat({qkv, linear(h, w[QKV2_W], w[QKV2_B])}, 1);
+    at::Tensor qkv;
+    {
+      const Timed timed(profile.matmul);
+      qkv = linear(h, w[QKV_W], w[QKV_B]);  // (T, qn + 2 kn)
+      if (present(w[QKV2_W])) qkv = at::cat({qkv, linear(h, w[QKV2_W], w[QKV2_B])}, 1);
+    }
     void* kc = w[K_CACHE].data_ptr();
     void* vc = w[V_CACHE].data_ptr();
     const auto write = [half](const float* x, int64_t n, void* cache, int64_t at) {
@@ -904,13 +927,20 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
         write(v + g * hd, hd, vc, (g * S + SL[t]) * hd);
       }
     }
-    if (half)
-      attention(qs.data_ptr<float>(), static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), H, K, S, hd,
-                seqs, block_size, P, SL, M, T, window, scale, sinks, attn.data_ptr<float>());
-    else
-      attention(qs.data_ptr<float>(), static_cast<const float*>(kc), static_cast<const float*>(vc), H, K, S, hd, seqs,
-                block_size, P, SL, M, T, window, scale, sinks, attn.data_ptr<float>());
-    at::Tensor o = linear(attn, w[O_W], w[O_B]);
+    {
+      const Timed timed(profile.attention);
+      if (half)
+        attention(qs.data_ptr<float>(), static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), H, K, S,
+                  hd, seqs, block_size, P, SL, M, T, window, scale, sinks, attn.data_ptr<float>());
+      else
+        attention(qs.data_ptr<float>(), static_cast<const float*>(kc), static_cast<const float*>(vc), H, K, S, hd,
+                  seqs, block_size, P, SL, M, T, window, scale, sinks, attn.data_ptr<float>());
+    }
+    at::Tensor o;
+    {
+      const Timed timed(profile.matmul);
+      o = linear(attn, w[O_W], w[O_B]);
+    }
     float* O = o.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       float* Xt = X + t * D;
@@ -927,11 +957,17 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
     at::Tensor d;
     if (present(w[ROUTER_W])) {
       TORCH_CHECK(0 < top_k && top_k <= w[ROUTER_W].size(0), "top_k must be within the expert count");
+      const Timed timed(profile.matmul);
       d = moe(h, w, top_k, norm_topk, softmax_after_topk, gate);
     } else {
-      at::Tensor gu = linear(h, w[GU_W], w[GU_B]);  // (T, 2 I)
+      at::Tensor gu;
+      {
+        const Timed timed(profile.matmul);
+        gu = linear(h, w[GU_W], w[GU_B]);  // (T, 2 I)
+      }
       const int64_t I = gu.size(1) / 2;
       for (int64_t t = 0; t < T; ++t) gated_activation(gu.data_ptr<float>() + t * 2 * I, I, gate);
+      const Timed timed(profile.matmul);
       d = linear(gu.narrow(1, 0, I), w[DOWN_W], w[DOWN_B]);
     }
     float* Dn = d.data_ptr<float>();
@@ -942,4 +978,12 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
     }
   }
   return x;
+}
+
+// (forward_batch's calls, their rows, and seconds in matmuls, in attention and in all) since the last reset.
+std::vector<double> forward_profile(bool reset) {
+  const std::vector<double> out{double(profile.calls), double(profile.rows), profile.matmul, profile.attention,
+                                profile.total};
+  if (reset) profile = Profile{};
+  return out;
 }

@@ -107,7 +107,7 @@ at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
   float* Y = y.data_ptr<float>();
   // Over AMX_MIN_ROWS rows or more, on a CPU with AMX, the AMX tiles take the blocks of 32 output rows (the same
   // results, amx.cpp).
-  const int64_t amx_cols = M >= tiled_min_rows() ? N / 32 * 32 : 0;
+  const int64_t amx_cols = M >= tiled_min_rows(AmxFormat::FP4) ? N / 32 * 32 : 0;
   if (amx_cols > 0) {
     amx_linear(AmxFormat::FP4, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
     if (amx_cols == N) return y;

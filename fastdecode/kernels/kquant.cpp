@@ -33,8 +33,8 @@ const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N);
 namespace {
 
 using fastdecode::AmxFormat;
-using fastdecode::tiled_min_rows;
 using fastdecode::amx_linear;
+using fastdecode::tiled_min_rows;
 using fastdecode::block_sums;
 using fastdecode::hsum;
 using fastdecode::offset32_dot;
@@ -446,9 +446,9 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const int64_t tile_bytes = K / QK_K * bytes;
   const bool q6 = bytes == Q6K_BYTES;
 
-  const int64_t amx_cols = M >= tiled_min_rows() ? N / 32 * 32 : 0;
+  const AmxFormat f = bytes == Q4K_BYTES ? AmxFormat::Q4K : bytes == Q5K_BYTES ? AmxFormat::Q5K : AmxFormat::Q6K;
+  const int64_t amx_cols = M >= tiled_min_rows(f) ? N / 32 * 32 : 0;
   if (amx_cols > 0) {
-    const AmxFormat f = bytes == Q4K_BYTES ? AmxFormat::Q4K : bytes == Q5K_BYTES ? AmxFormat::Q5K : AmxFormat::Q6K;
     amx_linear(f, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
     if (amx_cols == N) return y;
   }

@@ -446,7 +446,7 @@ const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N) {
 // blocks of 32 output rows instead (the same results, amx.cpp).
 void q8_pairs(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N, const float* B, float* Y) {
   const int64_t pairs = K / 64, tile_bytes = pairs * Q8_PAIR;
-  const int64_t amx_cols = M >= fastdecode::tiled_min_rows() ? N / 32 * 32 : 0;
+  const int64_t amx_cols = M >= fastdecode::tiled_min_rows(fastdecode::AmxFormat::Q8) ? N / 32 * 32 : 0;
   if (amx_cols > 0) {
     fastdecode::amx_linear(fastdecode::AmxFormat::Q8, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
     if (amx_cols == N) return;
@@ -517,7 +517,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const uint8_t* W = w.data_ptr<uint8_t>();
   float* Y = y.data_ptr<float>();
 
-  const int64_t amx_cols = M >= fastdecode::tiled_min_rows() ? N / 32 * 32 : 0;
+  const int64_t amx_cols = M >= fastdecode::tiled_min_rows(fastdecode::AmxFormat::Q4) ? N / 32 * 32 : 0;
   if (amx_cols > 0) {
     fastdecode::amx_linear(fastdecode::AmxFormat::Q4, X, M, K, W, K / 64 * 160, amx_cols / 32, N, B, Y);
     if (amx_cols == N) return y;

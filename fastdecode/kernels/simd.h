@@ -45,6 +45,8 @@ inline vecf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vecf v) { _mm512_storeu_ps(p, v); }
 inline vecf vfma(vecf a, vecf b, vecf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vecf vmul(vecf a, vecf b) { return _mm512_mul_ps(a, b); }
+inline vecf vadd(vecf a, vecf b) { return _mm512_add_ps(a, b); }
+inline vecf vfnma(vecf a, vecf b, vecf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b, one rounding
 // Lanes i and i + 8 added: the 8 lanes the AVX2 reductions take.
 inline __m256 halve(vecf v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -59,6 +61,8 @@ inline vecf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vecf v) { _mm256_storeu_ps(p, v); }
 inline vecf vfma(vecf a, vecf b, vecf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vecf vmul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
+inline vecf vadd(vecf a, vecf b) { return _mm256_add_ps(a, b); }
+inline vecf vfnma(vecf a, vecf b, vecf c) { return _mm256_fnmadd_ps(a, b, c); }
 inline __m256 halve(vecf v) { return v; }
 #endif
 
