@@ -76,3 +76,26 @@ def test_prompt_longer_than_context_is_one_line_error(runner, smollm2_path):
 def test_models_lists_registered_names(runner):
     result = runner.invoke(main, ["models"])
     assert result.exit_code == 0 and "smollm2-135m" in result.output and "gemma3-270m" in result.output
+
+
+def test_the_speed_tables_prefill_ceiling_is_its_flops_at_the_matrix_peak_or_one_read_of_the_weights(smollm2_path):
+    from types import SimpleNamespace
+
+    from fastdecode.engine.cli import prefill_rows
+    from fastdecode.engine.generate import Timings
+    from fastdecode.roofline.models import get_model
+
+    spec = get_model(str(smollm2_path))
+    llm = SimpleNamespace(path=smollm2_path, quant="gguf")
+    peaks = {"fp32": 0.1, "bf16": 0.2, "int8": 0.8}
+    t = Timings(prompt_tokens=2000, cached_tokens=500, prefill_s=1.5)  # 1,000 computed tokens a second
+    rows = dict(prefill_rows(llm, t, peaks, read_s=0.001))
+    ceiling = 1500 / (spec.flops(1500, 500, sampled=1) / 0.8e12)
+    assert rows["matrix peak (probe)"] == "800 GOP/s int8"
+    assert rows["prefill ceiling"] == f"{ceiling:,.0f} tok/s (compute-bound)"
+    assert rows["share of prefill ceiling"].startswith(f"{100 * 1000 / ceiling:.0f}% (")
+    short = dict(prefill_rows(llm, Timings(prompt_tokens=7, prefill_s=0.1), peaks, read_s=0.05))
+    assert short["prefill ceiling"] == "140 tok/s (memory-bound)"  # 7 tokens in one 50 ms read of the weights
+    floats = dict(prefill_rows(SimpleNamespace(path=smollm2_path, quant=None), t, peaks, read_s=0.001))
+    assert floats["matrix peak (probe)"] == "200 GFLOP/s bf16"
+    assert prefill_rows(llm, t, {}, read_s=0.001) == []  # no probe figure, no row

@@ -168,11 +168,12 @@ def generate(prompt, as_chat, system, as_json, speed_table, **kw):
 
 
 def speed_report(llm, t: Timings) -> Table:
-    """Measured speeds beside the decode ceiling: this machine's read bandwidth / bytes read per token."""
+    """Measured speeds beside their ceilings: decode against this machine's read bandwidth / bytes read per token,
+    prefill against its matrix peak / FLOPs per prompt token (both from `fastdecode probe`, cached for a day)."""
     from fastdecode.roofline.probe import cached_probe
 
     per_token = llm.weight_bytes_per_token() + llm.kv_bytes_per_token(t.prompt_tokens + t.output_tokens // 2)
-    err.print("[dim]measuring memory bandwidth (cached for a day)...[/dim]")
+    err.print("[dim]measuring memory bandwidth and matmul speed (cached for a day)...[/dim]")
     probe = cached_probe(per_token, torch.get_num_threads())
     bandwidth = probe["working_set_gb_s"] * 1e9
     ceiling = bandwidth / per_token
@@ -181,17 +182,48 @@ def speed_report(llm, t: Timings) -> Table:
                         f"{torch.get_num_threads()} threads")
     table.add_column("measure")
     table.add_column("value", justify="right")
-    for name, value in [
+    rows = [
         ("prompt tokens", f"{t.prompt_tokens}"), ("output tokens", f"{t.output_tokens}"),
         ("TTFT", f"{t.ttft_s * 1000:.0f} ms"), ("prefill", f"{t.prefill_tok_s:.0f} tok/s"),
+        *prefill_rows(llm, t, probe.get("matmul_tflops") or {}, llm.weight_bytes_per_token() / bandwidth),
         ("decode (output tok/s)", f"{t.output_tok_s:.1f} tok/s"),
         ("bytes read per token", f"{per_token / 1e6:.1f} MB"),
         ("memory bandwidth (measured)", f"{bandwidth / 1e9:.1f} GB/s"),
         ("decode ceiling (roofline)", f"{ceiling:.0f} tok/s"),
         ("share of roofline", f"{100 * t.output_tok_s / ceiling:.0f}%"),
-    ]:
+    ]
+    for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def prefill_rows(llm, t: Timings, matmul_tflops: dict, read_s: float) -> list[tuple[str, str]]:
+    """The prefill's ceiling and the share reached: its FLOPs at the matrix peak (quantized weights multiply int8
+    activations: the int8 GEMM's; float ones the faster of fp32 and bf16), or for a short prompt the `read_s` that
+    reading the weights once takes. None where the probe or the model's shape is missing."""
+    from fastdecode.kernels import kernel_isa, native_ops
+    from fastdecode.roofline.calc import prefill_ceiling
+    from fastdecode.roofline.models import UnknownModelError, get_model
+
+    computed = t.prompt_tokens - t.cached_tokens
+    integer = llm.quant not in (None, "none", "int8") and "int8" in matmul_tflops  # (--quant int8: float activations)
+    floats = {k: v for k, v in matmul_tflops.items() if k != "int8"}
+    precision = "int8" if integer else max(floats, key=floats.get, default=None)
+    if computed <= 0 or precision is None or not t.prefill_tok_s:
+        return []
+    try:
+        spec = get_model(str(llm.path))
+    except (UnknownModelError, OSError, ValueError, KeyError):
+        return []
+    tflops = matmul_tflops[precision]
+    ceiling = prefill_ceiling(spec, computed, t.cached_tokens, tflops, read_s)
+    bound = "memory" if ceiling * read_s >= computed * (1 - 1e-9) else "compute"
+    ops = native_ops()
+    path = "float" if not integer else "AMX tiles" if ops is not None and ops.amx_int8_ready() else {
+        "avx512": "AVX-512 VNNI", "avx2": "AVX2"}.get(kernel_isa(), kernel_isa())
+    return [("matrix peak (probe)", f"{tflops * 1e3:,.0f} G{'OP' if integer else 'FLOP'}/s {precision}"),
+            ("prefill ceiling", f"{ceiling:,.0f} tok/s ({bound}-bound)"),
+            ("share of prefill ceiling", f"{100 * t.prefill_tok_s / ceiling:.0f}% ({path} kernels)")]
 
 
 @click.command()

@@ -132,13 +132,13 @@ def _plan(s: Scenario, resident: float) -> tuple[int, int, int]:
 
 
 def _step(s: Scenario, dtype: str | None, tp: int, pp: int, tokens: int, context: int, kv_moved: float,
-          weight_bytes: float) -> Step:
+          weight_bytes: float, sampled: int | None = None) -> Step:
     hw, m = s.hardware, s.model
     kv_split = 1 if m.mla else min(tp, m.num_key_value_heads)  # an MLA latent is replicated on every TP rank
     memory = weight_bytes / tp + kv_moved / kv_split
     memory_s = memory / (hw.bandwidth_gb_s * 1e9) if hw.bandwidth_gb_s else 0.0
     tflops, _ = hw.compute_tflops(dtype or m.dtype)
-    compute_s = m.flops(tokens, context) / (tp * tflops * 1e12) if tflops else 0.0
+    compute_s = m.flops(tokens, context, sampled) / (tp * tflops * 1e12) if tflops else 0.0
     latency_s = (m.num_hidden_layers + tokens - 1) * hw.layer_latency_us * 1e-6  # tokens follow each other
     comm_s = 0.0
     if tp > 1 or pp > 1:
@@ -195,7 +195,8 @@ def roofline(s: Scenario) -> Result:
         step = _step(s, dtype, tp, pp, tokens, s.context, kv_read, verify_weights)
         tok_s = s.accept_length / (step.total_s + s.draft_cost * plain.total_s)
     prefill_weights = 0.0 if hw.weights_in_logic else m.weight_bytes(dtype, max(prompt, 1), s.group_size)
-    prefill = _step(s, dtype, tp, pp, max(prompt, 1), 0, m.kv_bytes(prompt, s.kv_dtype), prefill_weights)
+    prefill = _step(s, dtype, tp, pp, max(prompt, 1), 0, m.kv_bytes(prompt, s.kv_dtype), prefill_weights,
+                    sampled=1)
     price = s.price_per_hour if s.price_per_hour is not None else hw.price_per_hour
     bytes_per_token = s.bytes_per_token if s.bytes_per_token is not None else counted_weights + kv_read
     if not hw.bandwidth_gb_s:
@@ -220,3 +221,9 @@ def roofline(s: Scenario) -> Result:
         compute_precision=precision, price_per_hour=price,
         cost_per_million_tokens=price * tp * pp / 3600 / tok_s * 1e6 if price else None, notes=notes)
 
+
+def prefill_ceiling(model: ModelSpec, tokens: int, context: int, tflops: float, read_s: float = 0.0) -> float:
+    """Prompt tokens per second that a machine computing at `tflops` cannot beat, for `tokens` new tokens after
+    `context` cached ones: their matmuls, their causal attention, and the LM head for the last row only; or, for a
+    short prompt, the `read_s` it takes to read the weights once."""
+    return tokens / max(model.flops(tokens, context, sampled=1) / (tflops * 1e12), read_s)

@@ -19,6 +19,8 @@ COMPUTE_PRECISIONS = {
     "fp4": ("fp4", "fp8", "bf16", "fp16"),
 }
 
+INTEGER_COMPUTE = ("int8", "int4", "fp4")  # this machine's quantized kernels: int8 activations
+
 
 class UnknownHardwareError(FastdecodeError):
     """A --hw name that is not in the catalog."""
@@ -93,17 +95,22 @@ def physical_memory_gb() -> float:
 
 def this_machine(bandwidth_gb_s: float, matmul_tflops: dict[str, float] | None = None, threads: int | None = None,
                  bandwidth_note: str = "") -> Hardware:
-    """This computer as a one-chip `Hardware`, from a measured (or given) read bandwidth and matmul speed. Every
-    weight format gets the best matmul speed measured in any precision: an engine may compute in whichever is
-    fastest, and a ceiling must not be lowered by one slow kernel."""
-    best = max((matmul_tflops or {}).values(), default=0.0)
+    """This computer as a one-chip `Hardware`, from a measured (or given) read bandwidth and matmul speeds. Every
+    weight format gets the best float matmul measured (an engine may compute in whichever is fastest, and a ceiling
+    must not be lowered by one slow kernel); the integer formats (int8, int4, fp4: integer dot products on int8
+    activations) the int8 one where it is faster."""
+    speeds = matmul_tflops or {}
+    floats = max((v for k, v in speeds.items() if k != "int8"), default=0.0)
+    integers = max(floats, speeds.get("int8", 0.0))
     label = "this machine" + (f" ({threads} threads)" if threads else "")
+    tflops = {p: integers if p in INTEGER_COMPUTE else floats for p in COMPUTE_PRECISIONS}
     return Hardware(
         name=THIS_MACHINE, label=label, kind="probe", memory_gb=round(physical_memory_gb(), 1),
-        bandwidth_gb_s=bandwidth_gb_s, tflops={p: best for p in COMPUTE_PRECISIONS} if best else {},
+        bandwidth_gb_s=bandwidth_gb_s, tflops={p: v for p, v in tflops.items() if v},
         multi_chip="pp",
         sources={"bandwidth_gb_s": bandwidth_note or "fastdecode probe",
-                 "tflops": "fastdecode probe: best torch matmul (F.linear) in fp32 or bf16",
+                 "tflops": "fastdecode probe: best torch matmul (F.linear) in fp32 or bf16; int8 (torch._int_mm) for "
+                           "the integer formats",
                  "memory_gb": "os.sysconf physical pages"})
 
 

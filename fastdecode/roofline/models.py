@@ -191,9 +191,12 @@ class ModelSpec:
         full = self.num_hidden_layers - self.sliding_layers
         return per_pair * (full * pairs_full + self.sliding_layers * pairs_window)
 
-    def flops(self, tokens: int, context: int) -> float:
-        """FLOPs of a forward over `tokens` tokens after `context` cached ones: 2 per active weight per token."""
-        return 2.0 * self.active_params() * tokens + self.attention_flops(tokens, context)
+    def flops(self, tokens: int, context: int, sampled: int | None = None) -> float:
+        """FLOPs of a forward over `tokens` tokens after `context` cached ones: 2 per active weight per token, the LM
+        head's only for the `sampled` rows (None: every row, as in decode and verify; a prompt samples its last)."""
+        head = self.vocab_size * self.hidden_size
+        rows = tokens if sampled is None else sampled
+        return 2.0 * ((self.active_params() - head) * tokens + head * rows) + self.attention_flops(tokens, context)
 
 
 def load_catalog(path: Path = CATALOG_FILE) -> dict[str, ModelSpec]:

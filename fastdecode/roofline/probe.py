@@ -20,7 +20,7 @@ from fastdecode.loading.catalog import fastdecode_home
 LARGE_BYTES = 1 << 30  # far beyond any L3: DRAM bandwidth
 WORKING_SET_BYTES = 96 * 10**6  # SmolLM2-135M in Q4_1 reads ~97 MB per token
 MIN_SAMPLE_BYTES = 32 * 10**6
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: matmul_tflops has int8
 MAX_AGE_S = 24 * 3600  # machines drift; a day-old probe is measured again
 
 
@@ -61,23 +61,34 @@ def busy() -> str:
 
 
 def measure_matmul(threads: int | None = None, n: int = 1024, repeats: int = 3) -> dict:
-    """Peak matmul speed in TFLOPS, float32 and bfloat16 (F.linear of n x n by n x n, the best of `repeats`): the
-    compute side of this machine. The best, not the median: a ceiling should not inherit a busy moment."""
+    """Peak matmul speed in TFLOPS (int8: tera-operations), float32, bfloat16 and int8 (F.linear of n x n by n x n;
+    torch._int_mm, int8 in and int32 out, where this torch has it on the CPU; the best of `repeats`): the compute side
+    of this machine, from the library GEMMs (oneDNN: AMX tiles where the CPU has them, else AVX-512 or AVX2). The
+    quantized matmuls (int4, Q4_K, ...) multiply int8 activations by integer weights, so int8 is their ceiling. The
+    best, not the median: a ceiling should not inherit a busy moment."""
     import torch
 
     from fastdecode.kernels.openmp import torch_threads
+
+    def best_of(fn) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        return 2 * n**3 / best / 1e12
 
     result = {}
     with torch_threads(threads):
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             x, w = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-            torch.nn.functional.linear(x, w)
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                torch.nn.functional.linear(x, w)
-                best = min(best, time.perf_counter() - start)
-            result[name] = 2 * n**3 / best / 1e12
+            result[name] = best_of(lambda: torch.nn.functional.linear(x, w))
+        a, b = (torch.randint(-128, 128, (n, n), dtype=torch.int8) for _ in range(2))
+        try:
+            result["int8"] = best_of(lambda: torch._int_mm(a, b))
+        except (RuntimeError, AttributeError):  # a torch without the CPU kernel: no int8 figure
+            pass
     return result
 
 

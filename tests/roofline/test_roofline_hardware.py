@@ -41,3 +41,11 @@ def test_unknown_hardware_is_a_user_error():
 def test_this_machine_gets_its_best_measured_matmul_for_every_format():
     hw = this_machine(28.0, {"fp32": 0.2, "bf16": 0.05}, threads=2)
     assert hw.bandwidth_gb_s == 28.0 and hw.compute_tflops("int8") == (0.2, "int8")
+
+
+def test_this_machine_gives_the_int8_peak_to_the_integer_formats_only():
+    hw = this_machine(28.0, {"fp32": 0.2, "bf16": 0.4, "int8": 0.9}, threads=2)
+    assert hw.compute_tflops("int4") == (0.9, "int4") and hw.compute_tflops("fp4") == (0.9, "fp4")
+    assert hw.compute_tflops("bf16") == (0.4, "bf16") and hw.compute_tflops("fp32") == (0.4, "fp32")
+    slow_int8 = this_machine(28.0, {"fp32": 0.2, "bf16": 0.4, "int8": 0.1})  # never below the float matmuls
+    assert slow_int8.compute_tflops("int8") == (0.4, "int8")

@@ -13,7 +13,8 @@ def test_measure_bandwidth_reports_both_working_sets():
 
 def test_measure_matmul_reports_tflops_per_precision():
     result = probe.measure_matmul(threads=1, n=64, repeats=2)
-    assert set(result) == {"fp32", "bf16"} and all(v > 0 for v in result.values())
+    # int8 (torch._int_mm) where this torch has the CPU kernel
+    assert {"fp32", "bf16"} <= set(result) <= {"fp32", "bf16", "int8"} and all(v > 0 for v in result.values())
 
 
 def test_probe_is_cached_per_working_set(monkeypatch, tmp_path):
