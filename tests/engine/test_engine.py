@@ -301,7 +301,7 @@ def test_the_prefill_floor_gives_each_expert_sixteen_rows_on_average():
                                    num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8, num_experts=e,
                                    num_experts_per_tok=k)
     assert prefill_floor(moe(32, 4)) == 128 and prefill_floor(moe(128, 8)) == 256  # gpt-oss-20b, Qwen3-30B-A3B
-    assert prefill_floor(moe(0, 0)) == 0  # dense
+    assert prefill_floor(moe(0, 0)) == 64  # dense: where the tiled matmuls run near their best
 
 
 def test_a_request_larger_than_the_whole_cache_is_refused():
