@@ -814,6 +814,16 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor* w, int64_t top_k, bool nor
   return out;
 }
 
+// f(t) for the rows t of a step, spread over the threads where there are enough of them (a prompt chunk): the
+// per-row work between the matmuls (norms, rotary and cache writes, activations, residuals) took one thread
+// otherwise. Each row is computed alike wherever it runs.
+template <typename F>
+void each_row(int64_t T, int64_t floats_per_row, F f) {
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, floats_per_row)), [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) f(t);
+  });
+}
+
 // Where forward_batch's time goes, summed over calls until read (forward_profile): the matmuls (a mixture-of-experts
 // layer's routing and experts whole), attention, and the whole call; the rest is norms, rotary, the cache writes,
 // the activations and the residual adds. A clock read per part and layer costs nothing next to them.
@@ -895,7 +905,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
                                        w[SINKS].is_contiguous()), "sinks must be (H,) float32");
     const float* sinks = present(w[SINKS]) ? w[SINKS].data_ptr<float>() : nullptr;
 
-    for (int64_t t = 0; t < T; ++t) rms_norm(X + t * D, w[IN_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
+    each_row(T, D, [&](int64_t t) { rms_norm(X + t * D, w[IN_NORM].data_ptr<float>(), D, epsf, Hs + t * D); });
     at::Tensor qkv;
     {
       const Timed timed(profile.matmul);
@@ -909,7 +919,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
       else store_kv(x, n, static_cast<float*>(cache) + at);
     };
     at::Tensor qs = at::empty({T, qn}, x.options());
-    for (int64_t t = 0; t < T; ++t) {
+    each_row(T, qn + 2 * kn, [&](int64_t t) {
       float* q = qkv.data_ptr<float>() + t * (qn + 2 * kn);
       float* k = q + qn;
       const float* v = k + kn;
@@ -926,7 +936,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
         write(k + g * hd, hd, kc, (g * S + SL[t]) * hd);
         write(v + g * hd, hd, vc, (g * S + SL[t]) * hd);
       }
-    }
+    });
     {
       const Timed timed(profile.attention);
       if (half)
@@ -942,7 +952,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
       o = linear(attn, w[O_W], w[O_B]);
     }
     float* O = o.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t) {
+    each_row(T, 2 * D, [&](int64_t t) {
       float* Xt = X + t * D;
       float* Ot = O + t * D;
       if (sandwich) {
@@ -953,7 +963,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
         for (int64_t i = 0; i < D; ++i) Xt[i] += Ot[i];
         rms_norm(Xt, w[POST_ATTN_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
       }
-    }
+    });
     at::Tensor d;
     if (present(w[ROUTER_W])) {
       TORCH_CHECK(0 < top_k && top_k <= w[ROUTER_W].size(0), "top_k must be within the expert count");
@@ -966,16 +976,16 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
         gu = linear(h, w[GU_W], w[GU_B]);  // (T, 2 I)
       }
       const int64_t I = gu.size(1) / 2;
-      for (int64_t t = 0; t < T; ++t) gated_activation(gu.data_ptr<float>() + t * 2 * I, I, gate);
+      each_row(T, 2 * I, [&](int64_t t) { gated_activation(gu.data_ptr<float>() + t * 2 * I, I, gate); });
       const Timed timed(profile.matmul);
       d = linear(gu.narrow(1, 0, I), w[DOWN_W], w[DOWN_B]);
     }
     float* Dn = d.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t) {
+    each_row(T, D, [&](int64_t t) {
       float* Dt = Dn + t * D;
       if (sandwich) rms_norm(Dt, w[POST_FF_NORM].data_ptr<float>(), D, epsf, Dt);
       for (int64_t i = 0; i < D; ++i) X[t * D + i] += Dt[i];
-    }
+    });
   }
   return x;
 }
