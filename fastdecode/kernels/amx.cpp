@@ -21,11 +21,12 @@
 //
 // Without AMX (an AVX-512 CPU such as AMD's Zen 4, or FASTDECODE_AMX=0) the same unpacked B feeds vpdpbusd with each
 // activation row's 4 bytes broadcast (vnni_linear): one weight row loaded serves 4 activation rows, against the
-// VNNI kernels' unpacking of every weight tile per pair of rows. The AVX2 build does the same with vpmaddubsw
-// (1.2-1.4x its own many-row kernels, measured on that Zen 4 running the AVX2 build, medians of 7, 64 and 512 rows). Measured on a Zen 4 EPYC, 2 threads, 512 rows:
+// VNNI kernels' unpacking of every weight tile per pair of rows. Measured on a Zen 4 EPYC, 2 threads, 512 rows:
 // int4 (Q4_0) 470-560 GOP/s against 310-350, Q4_K 502 against 297, Q5_K 522 / 272, Q6_K 457 / 200, MXFP4 658 / 191;
 // vpdpbusd alone (registers only) runs at 813. The rest is the float work that the arithmetic above fixes per unit
-// and output (convert, scale, FMA, and the mins' FMA), about 3 operations for every 8 vpdpbusd.
+// and output (convert, scale, FMA, and the mins' FMA), about 3 operations for every 8 vpdpbusd. The AVX2 build does
+// the same with vpmaddubsw: 1.2-1.4x its own many-row kernels (that Zen 4 running the AVX2 build, medians of 7, 64
+// and 512 rows).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

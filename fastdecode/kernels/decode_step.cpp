@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <numeric>
 #include <tuple>
 #include <type_traits>
@@ -819,25 +820,32 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor* w, int64_t top_k, bool nor
 // otherwise. Each row is computed alike wherever it runs.
 template <typename F>
 void each_row(int64_t T, int64_t floats_per_row, F f) {
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, floats_per_row)), [&](int64_t a, int64_t b) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, floats_per_row));
+  at::parallel_for(0, T, grain, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) f(t);
   });
 }
 
 // Where forward_batch's time goes, summed over calls until read (forward_profile): the matmuls (a mixture-of-experts
 // layer's routing and experts whole), attention, and the whole call; the rest is norms, rotary, the cache writes,
-// the activations and the residual adds. A clock read per part and layer costs nothing next to them.
+// the activations and the residual adds. A clock read per part and layer costs nothing next to them; the lock is
+// for two engines (or ranks) of one process stepping at once.
 struct Profile {
   double matmul = 0, attention = 0, total = 0;
   int64_t calls = 0, rows = 0;
 };
 Profile profile;
+std::mutex profile_lock;
 
 struct Timed {  // adds the seconds from its construction to its destruction to `into`
   double& into;
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   explicit Timed(double& into) : into(into) {}
-  ~Timed() { into += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); }
+  ~Timed() {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const std::lock_guard<std::mutex> hold(profile_lock);
+    into += s;
+  }
 };
 
 }  // namespace
@@ -861,7 +869,10 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (R, D) float32");
   TORCH_CHECK(weights.size() == windows.size() * SLOTS, "weights do not match the layer count");
   const Timed whole(profile.total);
-  ++profile.calls, profile.rows += x.size(0);
+  {
+    const std::lock_guard<std::mutex> hold(profile_lock);
+    ++profile.calls, profile.rows += x.size(0);
+  }
   const int64_t T = x.size(0), D = x.size(1), L = windows.size(), qn = H * hd, kn = K * hd, B = context.numel();
   for (const at::Tensor* t : {&positions, &slots, &seq_rows, &context, &block_table})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "batch index tensors must be contiguous int64");
@@ -992,6 +1003,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
 
 // (forward_batch's calls, their rows, and seconds in matmuls, in attention and in all) since the last reset.
 std::vector<double> forward_profile(bool reset) {
+  const std::lock_guard<std::mutex> hold(profile_lock);
   const std::vector<double> out{double(profile.calls), double(profile.rows), profile.matmul, profile.attention,
                                 profile.total};
   if (reset) profile = Profile{};

@@ -312,4 +312,4 @@ def probe_command(threads, size_mb, large_mb, repeats, as_json):
     console = _console()
     console.print(t)
     console.print("matmul (best of 3, 1024x1024): " + ", ".join(
-        f"{k} {v * 1e3:,.0f} GFLOPS" for k, v in result["matmul_tflops"].items()))
+        f"{k} {v * 1e3:,.0f} {'GOP/s' if k == 'int8' else 'GFLOPS'}" for k, v in result["matmul_tflops"].items()))
