@@ -155,7 +155,9 @@ def main():
 
         return run_restart(a)
 
-    serve = a.serve_args.split() + ["--threads", str(a.threads), "--max-seq-len", "8192"]
+    # No disk tier: a session replayed earlier (the same prompts) would come back from disk, not be prefilled
+    # (--restart measures that tier).
+    serve = a.serve_args.split() + ["--threads", str(a.threads), "--max-seq-len", "8192", "--kv-disk-gb", "0"]
     print("starting the servers ...", flush=True)
     engines = [Server("fastdecode", a.model, serve)]
     if a.compare_no_cache:

@@ -1,17 +1,17 @@
 """Which sequences run in the next forward pass, and how many rows each: continuous batching with chunked prefill.
 
-Every step, each running sequence that is decoding gets one row (its last sampled token) plus the draft the
-speculator picks for it; prompts being prefilled share what is left of the step's token budget evenly (a prompt that
-needs less than its share takes what it needs, the rest is split among the others). While anyone decodes, that budget
-is sized so the step takes about `decode_gap_s`, so one user's long paste delays the others' next token by a chunk,
-not by its whole prefill; otherwise about `prefill_step_s`, so a request that arrives during a long prefill starts
-within about that, and a short prompt is not queued behind a long one (an agent's subagent beside its main
-conversation), but never fewer than `min_prefill_rows` (prefill_floor: a mixture-of-experts chunk reads nearly every
-expert; a dense model's matmuls run near their best from 64 rows). Waiting requests join between steps (first in, first out)
-while fewer than `max_batch` run, taking the longest cached prefix of their tokens first (from the disk tier, while
-others run, about `decode_gap_s` of reading a step). When a sequence needs a block
-and none is free, the most recently admitted sequence is preempted: its blocks go back (full ones stay cached), and
-it computes its tokens again when readmitted (recompute preemption, as in vLLM), with its output so far kept.
+Every step, each running sequence that is decoding gets one row (its last sampled token) plus the draft the speculator
+picks for it; prompts being prefilled share what is left of the step's token budget evenly (a prompt that needs less
+than its share takes what it needs, the rest is split among the others). While anyone decodes, that budget is sized so
+the step takes about `decode_gap_s`, so one user's long paste delays the others' next token by a chunk, not by its whole
+prefill; otherwise about `prefill_step_s`, so a request that arrives during a long prefill starts within about that, and
+a short prompt is not queued behind a long one (an agent's subagent beside its main conversation), but never fewer than
+`min_prefill_rows` (prefill_floor: a mixture-of-experts chunk reads nearly every expert; a dense model's matmuls run
+near their best from 64 rows). Waiting requests join between steps (first in, first out) while fewer than `max_batch`
+run, taking the longest cached prefix of their tokens first (from the disk tier, while others run, about `decode_gap_s`
+of reading a step). When a sequence needs a block and none is free, the most recently admitted sequence is preempted:
+its blocks go back (full ones stay cached), and it computes its tokens again when readmitted (recompute preemption, as
+in vLLM), with its output so far kept.
 """
 from __future__ import annotations
 
@@ -54,14 +54,16 @@ def prefill_floor(config) -> int:
     """The rows a step of prompt chunks alone takes at the least, for a model config. A mixture-of-experts chunk reads
     nearly every expert however short it is (gpt-oss-20b: 10 GB of its 12), so chunks sized to a second spent most of
     it reading weights, and the rate they measured shrank the next chunk (gpt-oss-20b at 2k tokens of context: 80, 49,
-    ..., 32 rows a step, 29 rows/s): enough rows for 16 an expert on average (the integer kernels' tiled threshold)
-    spread that read. Dense models: DENSE_PREFILL_FLOOR rows, where the tiled matmuls have left most of their fixed
-    cost per call behind (unpacking each weight block, reading the weights once a step): an 8B model's second-long
-    steps were 32 rows, and 64-row chunks prefilled 7% faster, 128-row ones 15% (a 1,024-token prompt, Q4_0, 2
-    threads of a Zen 4 EPYC), for a newly arrived request's wait of a step (2 s instead of 1 there)."""
+    ..., 32 rows a step, 29 rows/s): enough rows for 32 an expert on average spread that read and keep the experts'
+    matmuls past the tiled kernels' fixed cost per call (unpacking each weight block for however few rows): gpt-oss-20b
+    at 1,024 tokens prefilled 60 tok/s in 128-row steps (16 an expert), 72 in 256-row ones, 80 in 512-row ones (MXFP4,
+    2 threads of a Zen 4 EPYC). Dense models: DENSE_PREFILL_FLOOR rows, where the tiled matmuls have left most of
+    their fixed cost per call behind (unpacking each weight block, reading the weights once a step): an 8B model's
+    second-long steps were 32 rows, and 64-row chunks prefilled 7% faster, 128-row ones 15% (a 1,024-token prompt,
+    Q4_0, 2 threads of a Zen 4 EPYC), for a newly arrived request's wait of a step (2 s instead of 1 there)."""
     if not config.num_experts:
         return DENSE_PREFILL_FLOOR
-    return 16 * config.num_experts // max(1, config.num_experts_per_tok)
+    return 32 * config.num_experts // max(1, config.num_experts_per_tok)
 
 
 def fair_shares(needs: list[int], budget: int) -> list[int]:

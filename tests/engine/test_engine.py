@@ -296,11 +296,11 @@ def test_a_prefill_step_alone_keeps_the_models_floor_but_a_step_beside_decoding_
     assert chunk(floor=40, decoding=True) == [1, 8]  # 10 rows/s for 0.3 s, at least a block
 
 
-def test_the_prefill_floor_gives_each_expert_sixteen_rows_on_average():
+def test_the_prefill_floor_gives_each_expert_thirty_two_rows_on_average():
     moe = lambda e, k: ModelConfig(family="qwen3_moe", vocab_size=8, hidden_size=8, intermediate_size=8,  # noqa: E731
                                    num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8, num_experts=e,
                                    num_experts_per_tok=k)
-    assert prefill_floor(moe(32, 4)) == 128 and prefill_floor(moe(128, 8)) == 256  # gpt-oss-20b, Qwen3-30B-A3B
+    assert prefill_floor(moe(32, 4)) == 256 and prefill_floor(moe(128, 8)) == 512  # gpt-oss-20b, Qwen3-30B-A3B
     assert prefill_floor(moe(0, 0)) == 64  # dense: where the tiled matmuls run near their best
 
 

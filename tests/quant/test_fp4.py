@@ -179,8 +179,9 @@ def test_native_output_within_activation_rounding_of_dequantized_matmul(m):
 
 @NATIVE
 def test_native_row_does_not_depend_on_how_many_rows_share_the_call():
-    """Up to 4 rows a pass, and from 16 rows the tiled kernel (AMX, else VNNI over the tiles' layout) takes blocks of 32
-    weight rows (here 32 of the 44): a verify step, a prompt chunk and a batch must reproduce decode steps bit for bit."""
+    """Up to 4 rows a pass, and from 16 rows the tiled kernel (AMX, else VNNI over the tiles' layout) takes blocks of
+    32 weight rows (here 32 of the 44): a verify step, a prompt chunk and a batch must reproduce decode steps bit for
+    bit."""
     layer = Fp4Linear("mxfp4", mxfp4_weight(44, 320, seed=0), torch.randn(44), backend="native")
     x = torch.randn(40, 320)
     for m in (1, 2, 3, 4, 5, 9, 15, 16, 17, 33, 40):
