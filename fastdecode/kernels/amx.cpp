@@ -444,7 +444,8 @@ void tiles_linear(const uint8_t* W, int64_t tile_bytes, int64_t K, int64_t n_blo
 // The AVX2 build does the same with vpmaddubsw and vpmaddwd (weights unsigned, activations signed, pairs of products
 // summed into int16 then pairs of those into int32): exact while a pair of products stays within int16, which every
 // format's values keep (|q| <= 63, |x| <= 127) but Q8_0's q + 128 (tiled_min_rows leaves Q8_0 to quant.cpp there).
-// 2 rows against the 32 columns' 4 vectors (16 registers), the classes in memory.
+// 2 rows against the 32 columns' 4 vectors, the int16 sums widened as late as they stay exact (int16_steps), the
+// classes in memory.
 #ifdef __AVX512F__
 constexpr int64_t VNNI_ROWS = 4;
 
