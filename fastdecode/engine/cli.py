@@ -15,6 +15,7 @@ from rich.table import Table
 
 from fastdecode.engine import kv_files
 from fastdecode.engine.generate import Timings
+from fastdecode.engine.progress import PrefillLine
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.errors import FastdecodeError
 from fastdecode.loading.catalog import CATALOG, DEFAULT_MODEL, cached_path, fastdecode_home, pull
@@ -35,8 +36,9 @@ def model_options(f):
                           "weights (the reference); int8/int4/mxfp4/nvfp4: quantized after loading."),
         click.option("--group-size", type=int, default=32, show_default=True, help="Group size for int4."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's)."),
-        click.option("--max-seq-len", type=click.IntRange(min=16), default=4096, show_default=True,
-                     help="KV-cache length: prompt plus output tokens."),
+        click.option("--max-seq-len", type=click.IntRange(min=16), default=None,
+                     help="Context length: prompt plus output tokens (default: the model's trained context, as far "
+                          "as the KV budget holds one sequence of it)."),
         click.option("--speculate", default="auto", show_default=True,
                      help="Speculative decoding: none, ngram, suffix, layerskip, draft:MODEL, auto, or a trained head: "
                           "eagle[:DIR], auto+eagle[:DIR] (lossless; adapts the draft length, down to plain decoding, "
@@ -161,7 +163,7 @@ def generate(prompt, as_chat, system, as_json, speed_table, **kw):
         out = {"model": engine["model"], "dtype": llm.dtype, "quant": llm.quant or "none", **completion.as_dict()}
         click.echo(json.dumps(out))
         return
-    completion = stream_to_stdout(llm.stream(prompt_ids, params))
+    completion = stream_to_stdout(llm.stream(prompt_ids, params, on_prefill=PrefillLine(err)))
     err.print(f"[cyan]{speed_line(completion.timings, completion.speculation)}[/cyan]")
     if speed_table:
         err.print(speed_report(llm, completion.timings))
@@ -253,7 +255,7 @@ def chat(system, **kw):
             continue
         messages.append({"role": "user", "content": line})
         try:
-            completion = stream_to_stdout(llm.chat_stream(messages, params))
+            completion = stream_to_stdout(llm.chat_stream(messages, params, on_prefill=PrefillLine(err)))
         except FastdecodeError as e:  # e.g. the conversation outgrew the context: say so and keep the session
             messages.pop()
             err.print(f"[red]error: {e}[/red]")

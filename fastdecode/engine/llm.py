@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from fastdecode.speculative.batch import COST_SIZES, MODEL_FREE, BatchSpeculator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CANCEL_POLL_S = 0.1  # how often a stream waiting for its next token looks whether it was cancelled
+PROGRESS_POLL_S = 0.5  # how often a stream waiting for its first token reports the prefill's progress
 KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}  # what the native attention reads
 
 
@@ -59,12 +60,50 @@ class StreamChunk:
     completion: Completion | None = None  # set on the last chunk
 
 
-def default_kv_tokens(config, max_seq_len: int, max_batch: int, dtype: torch.dtype) -> int:
-    """KV-cache slots when none are asked for: room for max_batch full-length sequences, capped at a quarter of the
-    memory available now (and 8 GiB), but never less than one full-length sequence and a batch of prompts' ends."""
+def kv_budget_tokens(config, dtype: torch.dtype, kv_cache_gb: float | None = None) -> int:
+    """Tokens of keys and values the KV cache may hold: --kv-cache-gb's, else a quarter of the memory available now
+    (at most 8 GiB). The cache's pages are made on first touch, so the budget costs nothing until it is used."""
     per_token = KVCache.bytes_per_token(config, dtype)
-    cap = min(8 << 30, available_memory() // 4) // per_token
+    return int((kv_cache_gb * 1e9) if kv_cache_gb else min(8 << 30, available_memory() // 4)) // per_token
+
+
+def default_kv_tokens(config, max_seq_len: int, max_batch: int, dtype: torch.dtype) -> int:
+    """KV-cache slots when none are asked for: room for max_batch full-length sequences within the budget, but never
+    less than one full-length sequence and a batch of prompts' ends."""
+    cap = kv_budget_tokens(config, dtype)
     return max(min(max_batch * max_seq_len, cap), max_seq_len + max_batch * BLOCK_SIZE)
+
+
+@dataclass(frozen=True)
+class Context:
+    """The context length a model runs with, and what set it: start-up banners print it."""
+    tokens: int
+    trained: int  # the model's own (max_position_embeddings)
+    set_by: str  # "trained", "kv budget" or "--max-seq-len"
+
+    @classmethod
+    def choose(cls, trained: int, requested: int | None, budget: int) -> "Context":
+        """requested None: the model's trained context, as far as the KV budget holds one sequence of it (whole
+        blocks). Asked for: that, up to the trained context (the cache then makes room for it)."""
+        if requested is not None:
+            return cls(min(requested, trained), trained, "trained" if requested >= trained else "--max-seq-len")
+        fits = max(BLOCK_SIZE, budget // BLOCK_SIZE * BLOCK_SIZE)
+        return cls(trained, trained, "trained") if trained <= fits else cls(fits, trained, "kv budget")
+
+    def describe(self) -> str:
+        if self.set_by == "trained":
+            return f"{self.tokens:,} tokens (the model's trained context)"
+        if self.set_by == "kv budget":
+            return (f"{self.tokens:,} of the model's {self.trained:,} tokens, what the KV budget holds for one "
+                    f"sequence (--kv-cache-gb raises it)")
+        return f"{self.tokens:,} tokens (--max-seq-len; the model was trained for {self.trained:,})"
+
+    def hint(self) -> str:
+        """What an error about a too-long request says of the context: what set it, and the flag that raises it."""
+        if self.set_by == "trained":
+            return "(the model's trained context)"
+        flag = "--kv-cache-gb" if self.set_by == "kv budget" else "--max-seq-len"
+        return f"({flag} raises it, up to the model's {self.trained:,})"
 
 
 def available_memory() -> int:
@@ -78,7 +117,7 @@ def available_memory() -> int:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", quant: str | None = None,
-                 group_size: int = 32, threads: int | None = None, max_seq_len: int = 4096, native: bool = True,
+                 group_size: int = 32, threads: int | None = None, max_seq_len: int | None = None, native: bool = True,
                  speculate: str = "none", progress=None, log=lambda *a: None, load=load_model,
                  max_batch: int = 8, kv_cache_gb: float | None = None, prefix_cache: bool = True,
                  kv_dtype: str = "float16", engine: bool = True, scheduler: SchedulerConfig | None = None,
@@ -115,10 +154,14 @@ class LLM:
         if quant not in (None, "gguf"):  # "gguf" is the loaded format itself
             from fastdecode.quant import quantize_model
             quantize_model(self.model, quant, group_size=group_size)
-        self.max_seq_len = min(max_seq_len, self.config.max_position_embeddings)
+        on_engine = engine and speculate in (None, "", "none", *MODEL_FREE)
+        cache_dtype = KV_DTYPES[kv_dtype] if on_engine else self.model.embed_tokens.weight.dtype
+        self.context = Context.choose(self.config.max_position_embeddings, max_seq_len,
+                                      kv_budget_tokens(self.config, cache_dtype, kv_cache_gb if on_engine else None))
+        self.max_seq_len = self.context.tokens
         self.speculate = speculate
         self.engine = self.decoder = self.speculator = None
-        if engine and speculate in (None, "", "none", *MODEL_FREE):
+        if on_engine:
             self._build_engine(native, max_batch, kv_cache_gb, prefix_cache, KV_DTYPES[kv_dtype],
                                scheduler or SchedulerConfig())
             if weights is not None:
@@ -165,6 +208,9 @@ class LLM:
             return self.runner.name
         return "native" if self.decoder is not None else "pytorch"
 
+    def context_hint(self) -> str:
+        return self.context.hint()
+
     @property
     def kv(self) -> KVCache | None:
         return self.engine.kv if self.engine is not None else None
@@ -189,39 +235,46 @@ class LLM:
 
     # ---- generation --------------------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, logits_processor=None,
-               salt: str = "", tenant: str | None = "", cancel: threading.Event | None = None
-               ) -> Iterator[StreamChunk]:
+               salt: str = "", tenant: str | None = "", cancel: threading.Event | None = None,
+               on_prefill: Callable[[int, int], None] | None = None) -> Iterator[StreamChunk]:
         """Submits the request at once and returns an iterator of chunks: one per output token and a last one
         carrying the Completion. `logits_processor`: see Sampler. `salt` keeps prefix-cache sharing within a
         namespace; `tenant` does the same for the drafters' memory of earlier requests (None: no memory shared).
         Closing the iterator early (a client went away) ends the request and frees its cache blocks; so does
         setting `cancel` (from another thread), within CANCEL_POLL_S and the engine's step, even mid-prefill, when
-        no chunk comes to close it after."""
+        no chunk comes to close it after. `on_prefill(done, total)`: the prompt's tokens in the cache so far, at
+        least every PROGRESS_POLL_S until the first token, then once with done == total (the batching engine only)."""
         params = params or SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
-                f"of {self.max_seq_len} tokens")
+                f"of {self.max_seq_len} tokens {self.context_hint()}")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
         if self.engine is None:
             tokens = self._single_request(prompt_ids, params, logits_processor, stop_ids, tenant)
             return self._chunks(tokens, prompt_ids, params, stop_ids)
         seq = self.engine.add_request(prompt_ids, params, logits_processor, stop_ids, salt, tenant)
-        return self._chunks(self._engine_tokens(seq, cancel), prompt_ids, params, stop_ids)
+        return self._chunks(self._engine_tokens(seq, cancel, on_prefill), prompt_ids, params, stop_ids)
 
-    def _engine_tokens(self, seq, cancel: threading.Event | None = None):
+    def _engine_tokens(self, seq, cancel: threading.Event | None = None, on_prefill=None):
         """Yields (token, sampler, timings, stats) as the engine posts them; aborts the request if closed early or
         cancelled."""
         stats = lambda: seq.speculation.stats if seq.speculation is not None else None  # noqa: E731
+        poll = CANCEL_POLL_S if cancel is not None else PROGRESS_POLL_S if on_prefill is not None else None
         try:
             while True:
                 try:
-                    kind, value = seq.outbox.get(timeout=CANCEL_POLL_S if cancel is not None else None)
+                    kind, value = seq.outbox.get(timeout=poll)
                 except queue.Empty:
-                    if cancel.is_set():
+                    if cancel is not None and cancel.is_set():
                         return
+                    if on_prefill is not None:
+                        on_prefill(min(seq.num_computed, len(seq.prompt_ids)), len(seq.prompt_ids))
                     continue
+                if on_prefill is not None:
+                    on_prefill(len(seq.prompt_ids), len(seq.prompt_ids))
+                    on_prefill = None
                 if kind == "error":
                     raise value
                 if kind == "finished":
@@ -289,8 +342,9 @@ class LLM:
         return self.generate(self.chat_prompt(messages, tools), params)
 
     def chat_stream(self, messages: list[dict], params: SamplingParams | None = None, tools=None,
-                    logits_processor=None, salt: str = "", tenant: str | None = ""):
-        return self.stream(self.chat_prompt(messages, tools), params, logits_processor, salt, tenant)
+                    logits_processor=None, salt: str = "", tenant: str | None = "", on_prefill=None):
+        return self.stream(self.chat_prompt(messages, tools), params, logits_processor, salt, tenant,
+                           on_prefill=on_prefill)
 
     def close(self):
         """Stops the engine's thread (a finished program need not: it is a daemon)."""

@@ -2,6 +2,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from fastdecode import memory
 from fastdecode.config import ModelConfig
 from fastdecode.layers.norm import RMSNorm
 from fastdecode.layers.rotary import apply_rotary
@@ -14,8 +15,10 @@ class KVCache(nn.Module):
                  device: torch.device | str | None = None):
         super().__init__()
         shape = (batch, kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # Pages made on first touch: a long context costs memory only as far as a sequence reaches into it.
+        for name in ("k", "v"):
+            self.register_buffer(name, memory.zeros(*shape, dtype=dtype, device=device, huge_pages=False),
+                                 persistent=False)
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor, kv_start: int):
         """Writes k, v (B, kv_heads, T, head_dim) at positions start.. and returns the visible span kv_start..end."""

@@ -6,8 +6,9 @@ server), while every other rank calls `follow()`, which returns when rank 0 call
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from fastdecode.engine.llm import DTYPES, LLM
+from fastdecode.engine.llm import DTYPES, LLM, Context, kv_budget_tokens
 from fastdecode.errors import InvalidRequestError
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
 from fastdecode.parallel.driver import Leader, follow
@@ -40,9 +41,15 @@ class ParallelLLM(LLM):
                                       "--quant int8 or int4")
         quant = quant or "none"  # shards are cut from float weights; a GGUF's own formats are not the default here
         # A model that cannot be split fails here, before the ranks meet (and without torchrun too).
-        ShardPlan.build(checkpoint_config(resolve(model))[0], 0, tp)
+        config = checkpoint_config(resolve(model))[0]
+        ShardPlan.build(config, 0, tp)
         self.group = group = init_group(tp, timeout_s)
         lead = group.leads
+        if kw.get("max_seq_len") is None:  # the ranks must agree: the smallest context any rank's KV budget holds
+            budget = kv_budget_tokens(config, DTYPES[kw.get("dtype") or "float32"])
+            tokens = torch.tensor([Context.choose(config.max_position_embeddings, None, budget).tokens])
+            dist.all_reduce(tokens, dist.ReduceOp.MIN, group=group.pg)
+            kw["max_seq_len"] = int(tokens)
 
         def load(path, dtype, progress, quant):  # quant: float here (see above); LLM quantizes the shard after
             return load_shard(path, group.rank, group.world, dtype, progress)

@@ -133,7 +133,7 @@ def chat_request(body: ChatCompletionRequest, served: ServedModel, prompt: ChatP
     prompt = prompt or chat_prompt(body, served)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, prompt.ids, max_tokens, logprobs, served.llm.max_seq_len)
+    params = sampling_params(body, prompt.ids, max_tokens, logprobs, served.llm)
     grammar = forced_call_grammar(prompt.forced) if prompt.forced else response_grammar(body.response_format)
     processor = logits_processor(body, grammar, params, served)
     if prompt.reply is not None:  # the format's special-token markers stay in the text for its parser
@@ -171,7 +171,7 @@ def completion_request(body: CompletionRequest, served: ServedModel) -> EngineRe
     echo = None
     if body.echo:
         echo = prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt_ids)
-    params = sampling_params(body, prompt_ids, body.max_tokens, body.logprobs, llm.max_seq_len)
+    params = sampling_params(body, prompt_ids, body.max_tokens, body.logprobs, llm)
     grammar = response_grammar(body.response_format)
     return EngineRequest(prompt_ids, params, logits_processor(body, grammar, params, served), echo=echo,
                          cache_salt=body.cache_salt)
@@ -224,7 +224,8 @@ def can_fit(llm, chars: int, param: str):
     stalled, only to be refused after."""
     per_token = llm.tokenizer.max_token_chars
     if per_token and chars // per_token > llm.max_seq_len:
-        raise ApiError(400, f"This model's maximum context length is {llm.max_seq_len} tokens. However, the "
+        raise ApiError(400, f"This model's maximum context length is {llm.max_seq_len} tokens "
+                            f"{llm.context_hint()}. However, the "
                             f"{param} hold {chars} characters: at least {chars // per_token} tokens.", param,
                        "context_length_exceeded")
 
@@ -239,17 +240,20 @@ def encode(make_ids: Callable[[], list[int]]) -> list[int]:
 
 
 def sampling_params(body: Sampling, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
-                    context: int) -> SamplingParams:
+                    llm) -> SamplingParams:
+    context = llm.max_seq_len
     room = context - len(prompt_ids)
     if max_tokens is None:
         max_tokens = room
     if max_tokens > room:
-        raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+        raise ApiError(400, f"This model's maximum context length is {context} tokens {llm.context_hint()}. "
+                            f"However, you requested "
                             f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, {max_tokens} "
                             "in the completion). Please reduce the length of the messages or completion.",
                        "messages", "context_length_exceeded")
     if max_tokens < 1:
-        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) fills the context of {context} tokens",
+        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) fills the context of {context} tokens "
+                            f"{llm.context_hint()}",
                        "messages", "context_length_exceeded")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature

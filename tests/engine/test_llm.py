@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from fastdecode import LLM, SamplingParams
+from fastdecode.engine.kv_cache import BLOCK_SIZE
+from fastdecode.engine.llm import Context
+from fastdecode.engine.progress import PrefillLog
 from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.errors import InvalidRequestError
 
@@ -83,9 +86,33 @@ def test_seeded_sampling_is_reproducible(smollm2):
     assert smollm2.generate("Once upon a time", params).token_ids == smollm2.generate("Once upon a time", params).token_ids
 
 
-def test_prompt_longer_than_context_is_rejected(smollm2):
-    with pytest.raises(InvalidRequestError, match="exceeds the context"):
+def test_prompt_longer_than_context_is_rejected_naming_the_flag_that_raises_it(smollm2):
+    with pytest.raises(InvalidRequestError, match=r"exceeds the context of 256 tokens \(--max-seq-len raises it, up "
+                                                  r"to the model's 8,192\)"):
         smollm2.generate("word " * 300, SamplingParams(max_tokens=8))
+
+
+def test_the_context_defaults_to_the_trained_one_as_far_as_the_kv_budget_holds(smollm2_path):
+    llm = LLM(str(smollm2_path))
+    assert (llm.max_seq_len, llm.context.set_by) == (8192, "trained")
+    assert llm.kv.capacity >= 8192
+    # A budget of 0.05 GB holds 2,170 of SmolLM2's 23,040-byte tokens: the context is what fits, in whole blocks.
+    small = LLM(str(smollm2_path), kv_cache_gb=0.05, max_batch=1)
+    assert (small.max_seq_len, small.context.set_by) == (2170 // BLOCK_SIZE * BLOCK_SIZE, "kv budget")
+    with pytest.raises(InvalidRequestError, match="--kv-cache-gb raises it"):
+        small.generate("word " * 3000, SamplingParams(max_tokens=8))
+
+
+@pytest.mark.parametrize("trained, requested, budget, expected", [
+    (32768, None, 10**6, (32768, "trained")),  # the budget holds it: the model's own
+    (131072, None, 65541, (65536, "kv budget")),  # it does not: what it holds, in whole blocks
+    (32768, 4096, 100, (4096, "--max-seq-len")),  # asked for: the cache then makes room
+    (8192, 100000, 100, (8192, "trained")),  # never past the trained context
+])
+def test_context_choice(trained, requested, budget, expected):
+    context = Context.choose(trained, requested, budget)
+    assert (context.tokens, context.set_by) == expected
+    assert f"{context.tokens:,}" in context.describe()
 
 
 def test_bfloat16_weights_run_on_the_paged_engine(smollm2_path):
@@ -106,6 +133,34 @@ def test_long_prompt_is_prefilled_in_chunks_like_one_pass(smollm2_path):
     assert len(ids) > 3 * 16  # several chunks
     assert runs[0].token_ids == runs[1].token_ids
     assert runs[0].logprobs == runs[1].logprobs  # int4 rows: the same arithmetic in any chunk
+
+
+def test_a_long_prefill_reports_its_progress_until_the_first_token(smollm2_path):
+    llm = LLM(str(smollm2_path), max_seq_len=4096, scheduler=SchedulerConfig(max_batched_tokens=64))
+    prompt = list(range(1000, 4500))  # 3,500 tokens in steps of 64 rows: seconds of prefill
+    reports = []
+    chunks = llm.stream(prompt, SamplingParams(max_tokens=3),
+                        on_prefill=lambda done, total: reports.append((done, total)))
+    first = next(chunks)
+    assert first.token_ids and reports[-1] == (3500, 3500)  # the last report: done, at the first token
+    during = [done for done, _ in reports[:-1]]
+    assert len(during) >= 2 and during == sorted(during) and 0 < during[-1] < 3500
+    assert all(total == 3500 for _, total in reports)
+    list(chunks)
+    assert len(reports) == len(during) + 1  # nothing after the first token
+    llm.close()
+
+
+def test_prefill_log_writes_a_line_every_period_and_one_at_the_end():
+    lines = []
+    log = PrefillLog(type("Log", (), {"info": lambda self, fmt, *a: lines.append(fmt % a)})(), every_s=0.05)
+    log(0, 1000)
+    assert lines == []  # under a period: nothing
+    time.sleep(0.06)
+    log(400, 1000)
+    assert len(lines) == 1 and lines[0].startswith("prefill 400/1,000 tokens (40%), ") and "s left" in lines[0]
+    log(1000, 1000)
+    assert len(lines) == 2 and lines[1].startswith("prefilled 1000 tokens in ")
 
 
 def test_a_cancelled_stream_leaves_the_engine_mid_prefill(smollm2_path):

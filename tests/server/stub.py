@@ -20,6 +20,10 @@ class UnreachableLLM:
     config = SimpleNamespace(vocab_size=100)
     engine = None  # no batching engine: the server gives it one slot
 
+    @staticmethod
+    def context_hint() -> str:
+        return "(the model's trained context)"
+
     def __getattr__(self, attribute):
         raise AssertionError(f"the request reached the engine ({attribute})")
 

@@ -201,7 +201,8 @@ def test_unknown_model_is_404(client):
 def test_prompt_over_context_is_400_with_the_numbers(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5000)
-    assert "maximum context length is 2048" in e.value.message and e.value.body["code"] == "context_length_exceeded"
+    assert "maximum context length is 2048 tokens (--max-seq-len raises it, up to the model's 8,192)" in e.value.message
+    assert e.value.body["code"] == "context_length_exceeded"
 
 
 def test_wrong_api_key_is_401(server):

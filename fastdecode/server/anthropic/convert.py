@@ -34,7 +34,8 @@ def messages_job(body: MessagesRequest, served: ServedModel) -> MessagesJob:
     context = served.llm.max_seq_len
     room = context - len(prompt.ids)
     if room < 1:
-        raise ApiError(400, f"prompt is too long: {len(prompt.ids)} tokens > {context - 1} maximum")
+        raise ApiError(400, f"prompt is too long: {len(prompt.ids)} tokens > {context - 1} maximum "
+                            f"{served.llm.context_hint()}")
     chat.max_tokens = min(body.max_tokens, room)
     return MessagesJob(chat_request(chat, served, prompt), body.max_tokens > room)
 
