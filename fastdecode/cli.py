@@ -50,6 +50,10 @@ from fastdecode.server.cli import serve  # noqa: E402
 
 main.add_command(serve)
 
+from fastdecode.agents.cli import launch_command  # noqa: E402
+
+main.add_command(launch_command)
+
 from fastdecode.train.cli import train_drafter_command  # noqa: E402
 
 main.add_command(train_drafter_command)
