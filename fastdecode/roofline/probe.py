@@ -147,3 +147,11 @@ def _load(path: Path) -> dict:
     except (OSError, json.JSONDecodeError):
         return {"version": CACHE_VERSION}
     return cache if isinstance(cache, dict) and cache.get("version") == CACHE_VERSION else {"version": CACHE_VERSION}
+
+
+def decode_ceiling(bytes_per_token: int, threads: int | None = None) -> dict:
+    """One stream's decode roofline on this machine: the read bandwidth at a working set of `bytes_per_token`
+    (cached_probe's) over those bytes."""
+    bandwidth = cached_probe(bytes_per_token, threads)["working_set_gb_s"] * 1e9
+    return {"decode_tok_s": bandwidth / bytes_per_token, "bandwidth_gb_s": bandwidth / 1e9,
+            "bytes_per_token": bytes_per_token}

@@ -16,9 +16,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from fastdecode.engine.progress import PrefillLog
 from fastdecode.errors import FastdecodeError
 from fastdecode.server.anthropic.routes import messages_routes
 from fastdecode.server.config import ServerConfig
+from fastdecode.server.dashboard import Recorder, dashboard_routes
 from fastdecode.server.errors import ApiError, install_error_handlers, stream_failure
 from fastdecode.server.limits import BodyLimit
 from fastdecode.server.metrics import CountRequests, Metrics
@@ -45,12 +47,15 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
     metrics = Metrics()
     # The engine batches every open stream; the single-request loop (tensor parallelism, model drafters) takes one.
     scheduler = Scheduler(config.max_queue, metrics, slots=llm.engine.config.max_batch if llm.engine else 1)
+    recorder = Recorder(llm, scheduler)  # the dashboard's last minutes
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app):
         scheduler.start()
+        recorder.start()
         yield
+        recorder.stop()
         scheduler.stop()
 
     app = FastAPI(title="fastdecode", summary="OpenAI-compatible API over one fastdecode engine",
@@ -109,7 +114,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
             salt = cache_salt(tenant, job.cache_salt, config.share_prefix_cache)
             cancelled = threading.Event()  # set when the client leaves: the engine drops it even mid-prefill
             run = scheduler.submit(lambda: llm.stream(job.prompt_ids, job.params, job.logits_processor, salt=salt,
-                                                      tenant=tenant, cancel=cancelled),
+                                                      tenant=tenant, cancel=cancelled, on_prefill=PrefillLog(log)),
                                    config.request_timeout_s, cancelled)
         except QueueFull as e:
             raise ApiError(429, f"The server is busy: {scheduler.waiting} requests are waiting for the engine. "
@@ -120,12 +125,12 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
         try:
             if stream and fmt.early_start:  # Messages, Responses: headers and keep-alives before the first token
                 handed_off = True
-                return StreamingResponse(events(run, fmt, PENDING, chunks), media_type="text/event-stream",
+                return StreamingResponse(events(run, fmt, PENDING, chunks, tenant), media_type="text/event-stream",
                                          headers=SSE_HEADERS)
             first = await until_disconnected(request, anext(chunks, None))
             if stream:
                 handed_off = True
-                return StreamingResponse(events(run, fmt, first, chunks), media_type="text/event-stream",
+                return StreamingResponse(events(run, fmt, first, chunks, tenant), media_type="text/event-stream",
                                          headers=SSE_HEADERS)
             completion = await until_disconnected(request, collect(fmt, first, chunks))
             return JSONResponse(fmt.response(completion, run.end, run.queue_s))
@@ -137,7 +142,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
             raise ApiError(400, str(e)) from None
         finally:
             if not handed_off:
-                finished(run, fmt)
+                finished(run, fmt, tenant)
 
     async def collect(fmt, first, chunks):
         """Feeds every chunk to the formatter; returns the engine's Completion (None if generation was cut)."""
@@ -148,7 +153,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
             chunk = await anext(chunks, None)
         return fmt.completion
 
-    async def events(run: Run, fmt, first, chunks):
+    async def events(run: Run, fmt, first, chunks, tenant: str | None):
         """`first` is PENDING for a stream started before its first token: keep-alive events until it comes."""
         waiting = None
         try:
@@ -174,9 +179,9 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
         finally:
             if waiting is not None and not waiting.done():
                 waiting.cancel()
-            finished(run, fmt)
+            finished(run, fmt, tenant)
 
-    def finished(run: Run, fmt):
+    def finished(run: Run, fmt, tenant: str | None):
         """Books a request that is over, however it ended; a run still going (its client left) is stopped."""
         if run.end is None:
             run.cancel()
@@ -185,6 +190,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
             metrics.cancelled.labels("timeout").inc()
         if run.started is not None and run.end != "error":
             metrics.observe_completion(fmt.prompt_tokens, fmt.tokens, fmt.completion)
+            recorder.observe(fmt.completion, tenant)
 
     async def until_disconnected(request: Request, awaitable):
         """Awaits `awaitable` unless the client disconnects first (polled: no bytes have gone out yet)."""
@@ -202,6 +208,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
 
     app.include_router(messages_routes(served, answer))  # Anthropic's Messages API
     app.include_router(responses_routes(served, answer))  # OpenAI's Responses API, stateless
+    app.include_router(dashboard_routes(recorder))  # the live dashboard at /
     return app
 
 

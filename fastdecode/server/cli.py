@@ -7,6 +7,7 @@ import click
 
 from fastdecode.engine.cli import build_llm, err, model_kwargs, model_options
 from fastdecode.errors import FastdecodeError
+from fastdecode.server.banner import banner_lines
 from fastdecode.server.config import ServerConfig, key_name
 from fastdecode.server.security import is_loopback
 
@@ -51,15 +52,26 @@ def serve(host, port, api_keys, api_keys_file, share_prefix_cache, served_model_
     if not is_loopback(host) and not config.tenants():
         err.print(f"[yellow]warning: serving on {host} without an API key: anyone who reaches the port can use "
                   "the model[/yellow]")
+    engine_model = engine["model"]
     llm = build_llm(**model_kwargs(engine))
     # Our own lines (what each agent request holds) beside uvicorn's, at the same level.
     logging.basicConfig(format="%(levelname)-9s %(name)s: %(message)s", level=log_level.upper())
     app = create_app(llm, config)
-    batch = llm.engine.config.max_batch if llm.engine else 1
-    auth = f", {len(config.tenants())} API key(s) required" if config.tenants() else ""
-    err.print(f"[cyan]{app.state.served.id} on http://{host}:{port}/v1 (speculate {llm.speculate}, batch {batch}, "
-              f"queue {max_queue}{auth})[/cyan]")
+    lines = banner_lines(llm, app.state.served.id, engine_model, host, port, config, ceiling(llm))
+    err.print(f"[cyan]{lines[0]}[/cyan]")
+    for line in lines[1:]:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)  # whole lines: they are pasted into shells
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def ceiling(llm) -> dict | None:
+    """This machine's decode ceiling for the model (measured once a day: a few seconds, before serving starts)."""
+    from fastdecode.roofline.probe import decode_ceiling
+
+    if llm.engine is None:  # tensor-parallel ranks and model drafters: their bytes per token are not one model's
+        return None
+    err.print("[dim]measuring memory bandwidth (cached for a day)...[/dim]")
+    return decode_ceiling(llm.weight_bytes_per_token(), llm.engine.threads)
 
 
 def read_keys_file(path: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ from starlette.datastructures import Headers
 from fastdecode.server.config import ServerConfig
 from fastdecode.server.errors import error_body_for
 
-OPEN_PATHS = {"/health"}  # probes and load balancers call it without a key
+OPEN_PATHS = {"/health", "/"}  # probes and load balancers; the dashboard page (no data: it asks for the key)
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
@@ -34,8 +34,9 @@ def host_name(header: str) -> str:
 class Guard:
     """ASGI middleware. A loopback server without a key answers only requests whose Host names the loopback: a web
     page whose own domain it rebinds to 127.0.0.1 still sends that domain as Host, and a browser cannot forge it.
-    With keys, every path but /health (the OpenAPI schema included) needs one, as `Authorization: Bearer KEY` or
-    `x-api-key: KEY`; the request's state then names its tenant (`request.state.tenant`, None without keys)."""
+    With keys, every path but /health and the dashboard's page (the OpenAPI schema and the dashboard's data included)
+    needs one, as `Authorization: Bearer KEY` or `x-api-key: KEY`; the request's state then names its tenant
+    (`request.state.tenant`, None without keys)."""
 
     def __init__(self, app, config: ServerConfig):
         self.app, self.keys = app, [(k.encode(), name) for k, name in config.tenants().items()]

@@ -2,7 +2,6 @@
 Chromium (Debian's /usr/bin/chromium driven by playwright) where the machine has it."""
 import base64
 import io
-import shutil
 from html.parser import HTMLParser
 
 import pytest
@@ -11,6 +10,7 @@ from fastdecode.lab.metrics import summarize
 from fastdecode.lab.records import Chunk, RequestRecord
 from fastdecode.lab.report import write_report
 from fastdecode.lab.storage import load_run, save_run
+from tests.helpers.chromium import headless_chromium
 
 PLOTS = ["speed-by-category", "speed-over-time", "concurrency", "ttft-vs-speed", "compare"]
 
@@ -69,27 +69,14 @@ def test_report_is_self_contained_with_every_plot_a_valid_png(report):
     assert "roofline 60 tok/s" in html and "timeout" in html and "Concurrency sweep" in html
 
 
-def chromium_path():
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
 def test_report_renders_in_headless_chromium(report, tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    if not chromium_path():
-        pytest.skip("no chromium on this machine (Debian: apt-get install chromium)")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium_path(), headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
-        try:
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
-            page.goto(report.as_uri())
-            figures = page.evaluate("""() => [...document.querySelectorAll('figure')].map(f => {
-                const img = f.querySelector('img'); const box = img.getBoundingClientRect();
-                return [f.id, img.complete, img.naturalWidth, img.naturalHeight, box.width, box.height]; })""")
-            page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
-        finally:
-            browser.close()
+    with headless_chromium() as browser:
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.goto(report.as_uri())
+        figures = page.evaluate("""() => [...document.querySelectorAll('figure')].map(f => {
+            const img = f.querySelector('img'); const box = img.getBoundingClientRect();
+            return [f.id, img.complete, img.naturalWidth, img.naturalHeight, box.width, box.height]; })""")
+        page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
     assert [f[0] for f in figures] == [f"plot-{p}" for p in PLOTS]
     for fid, complete, nw, nh, w, h in figures:
         assert complete and nw > 300 and nh > 200 and w > 100 and h > 100, fid  # decoded and laid out
