@@ -1,6 +1,7 @@
 """Every error the server answers, in the shape of the API its path belongs to: OpenAI's
 {"error": {"message", "type", "param", "code"}}, or on /v1/messages Anthropic's
-{"type": "error", "error": {"type", "message"}} (its SDK and Claude Code read only that one)."""
+{"type": "error", "error": {"type", "message"}} (its SDK and Claude Code read only that one). Messages that repeat
+what a request said are made sendable first (sendable)."""
 from __future__ import annotations
 
 import logging
@@ -31,13 +32,21 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
+def sendable(text: str | None) -> str | None:
+    """`text` with any lone surrogate written as its escape (`\\ud800`): JSON can spell one in a request, UTF-8
+    cannot carry it, and an error message that repeats the request's model name or call id must still be sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if text is not None else None
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    message, param = sendable(message), sendable(param)
     return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error" if status < 500
                                                               else "server_error"),
                       "param": param, "code": code}}
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
+    message = sendable(message)
     return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500
                                                                    else "api_error"), "message": message}}
 
@@ -68,7 +77,7 @@ def stream_failure(exc: BaseException, request_id: str) -> tuple[int, str]:
     (FastdecodeError, whose messages are written for the client) says what it was; anything else is an internal
     error, logged under the request id."""
     if isinstance(exc, FastdecodeError):
-        return 400, str(exc)
+        return 400, sendable(str(exc))
     return 500, internal_error(exc, request_id)["error"]["message"]
 
 

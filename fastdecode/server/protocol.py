@@ -18,12 +18,18 @@ FINGERPRINT = "fastdecode"
 
 
 def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {event_json(obj)}\n\n"
 
 
 def named_sse(event: dict) -> str:
     """An event named after its `type`, as the Messages and Responses APIs stream them."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"event: {event['type']}\ndata: {event_json(event)}\n\n"
+
+
+def event_json(event: dict) -> str:
+    """JSON as the non-streamed responses write it (starlette's JSONResponse): a NaN is an error, not a token no
+    client parses."""
+    return json.dumps(event, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def usage(prompt_tokens: int, completion_tokens: int, completion=None, reasoning_tokens: int | None = None) -> dict:

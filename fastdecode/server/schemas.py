@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 from fastdecode.engine.json_schema import check_size, object_keys
 from fastdecode.engine.sampling import STOP_LIMITS, stop_within_limits
 from fastdecode.errors import InvalidRequestError
+from fastdecode.server.formats.base import json_problem
 
 INT64 = 2**63 - 1
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -31,6 +32,23 @@ def checked_schema(value: dict | None, schema, what: str):
     except InvalidRequestError as e:
         raise PydanticCustomError("invalid_schema", str(e)) from None
     return value
+
+
+def echoable(value):
+    """`value` unchanged, once it is JSON every client reads alike (finite numbers, valid Unicode, bounded depth;
+    formats.base.json_problem): a field a response repeats is checked while the body is validated, so that writing
+    the response cannot fail after the generation it waited for."""
+    problem = json_problem(dumped(value))
+    if problem is not None:
+        raise PydanticCustomError("not_plain_json", f"Value cannot be repeated in the response: it {problem}")
+    return value
+
+
+def dumped(value):
+    """A validated field as the JSON value a response writes of it."""
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    return [dumped(v) for v in value] if isinstance(value, list) else value
 
 
 class Strict(BaseModel):

@@ -2,21 +2,77 @@
 that passes text through, holds back what may still become a call, and hands each call's text to the format.
 
 A format only says where a call starts (`starts`) and how to read one (`read_call`); the loop keeps text and calls
-in order and never lets half a marker or half a call out as text.
+in order and never lets half a marker or half a call out as text. A call whose arguments are not a JSON object that
+every client reads alike (json_problem) is no call: it stays text, as any call that does not parse does.
 """
 from __future__ import annotations
 
 import json
+import math
 import secrets
+import sys
 
 Event = tuple[str, object]  # ("content", text) | ("reasoning", text) | ("tool_call", OpenAI tool call)
+MAX_DEPTH = 64  # nested arrays and objects: far past any tool's arguments, far short of Python's ~1,000-frame
+# stack, which writing a response around them must fit in (a 960-deep array in a call's arguments was a 500)
 
 
-def new_call(name: str, arguments) -> dict:
+def new_call(name: str, arguments) -> dict | None:
+    """An OpenAI tool call; None when `arguments` (JSON text, or its value) is not an object JSON writes plainly.
+    Text the model wrote is kept as written."""
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack
+            return None
+    else:
+        value = arguments
+    if not isinstance(value, dict) or json_problem(value) is not None:
+        return None
     if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
+        arguments = json.dumps(value, ensure_ascii=False)
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+def json_problem(value, max_depth: int = MAX_DEPTH) -> str | None:
+    """What keeps `value` (as json.loads, ast.literal_eval or a request body gives it) from being JSON that every
+    client reads as the same value, or None: a number no double holds (NaN, Infinity, 1e999: Python reads them, JSON
+    cannot write them), a string or key with a lone surrogate (JSON spells `\\ud800`, UTF-8 cannot), a key that is
+    not a string, a value JSON has no form of (a tuple, bytes, a set, a complex), or nesting deeper than
+    `max_depth`. Iterative: a deep value must not exhaust the stack."""
+    stack = [(value, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if not valid_unicode(value):
+                return "holds a lone surrogate, which is not Unicode"
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                return "holds a number that is not finite (NaN, Infinity or past a double's range)"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > sys.float_info.max:
+                return "holds an integer past a double's range"
+        elif isinstance(value, (dict, list)):
+            if depth >= max_depth:
+                return f"nests more than {max_depth} levels deep"
+            if isinstance(value, dict):
+                if not all(isinstance(key, str) for key in value):
+                    return "holds a key that is not a string"
+                stack += [(key, depth) for key in value]
+            stack += [(child, depth + 1) for child in (value.values() if isinstance(value, dict) else value)]
+        elif value is not None and not isinstance(value, bool):
+            return f"holds a {type(value).__name__}, which JSON has no form of"
+    return None
+
+
+def valid_unicode(text: str) -> bool:
+    """False when `text` holds a lone surrogate (UTF-8 cannot encode it, so no response can carry it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def loads_object(arguments):
@@ -32,12 +88,9 @@ def loads_object(arguments):
 
 def call_from_json(value, names) -> dict | None:
     """{"name": ..., "arguments"|"parameters": {...}} naming a known tool -> an OpenAI tool call."""
-    if not isinstance(value, dict) or value.get("name") not in names:
-        return None
-    arguments = loads_object(value.get("arguments", value.get("parameters", {})))
-    if not isinstance(arguments, dict):
-        return None
-    return new_call(value["name"], arguments)
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
+        return None  # a name that is a list or an object is no name (and cannot be looked up)
+    return new_call(value["name"], value.get("arguments", value.get("parameters", {})))
 
 
 def partial_marker(text: str, markers) -> int:

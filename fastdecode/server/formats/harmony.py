@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from fastdecode.server.formats.base import Event, ToolParser, loads_object, new_call, partial_marker
+from fastdecode.server.formats.base import Event, ToolParser, new_call, partial_marker
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
 CALL, RETURN = "<|call|>", "<|return|>"
@@ -97,7 +97,7 @@ class HarmonyParser(ToolParser):
         if self.kind != "call":
             return [(self.kind, body)] if body else []
         name = self.recipient.removeprefix("functions.")
-        arguments = loads_object(body.strip())
-        if name in self.tools and isinstance(arguments, dict):
-            return [("tool_call", new_call(name, body.strip()))]
+        call = new_call(name, body.strip()) if name in self.tools else None
+        if call:
+            return [("tool_call", call)]
         return [("content", body)] if body else []  # a call to no offered tool, or not an object, is text

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from fastdecode.server.formats.base import Event, ToolParser, call_from_json, loads_object, new_call
+from fastdecode.server.formats.base import Event, ToolParser, call_from_json, new_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_TAG = re.compile(r"<function=([a-zA-Z0-9_-]{1,64})>(.*?)</function>", re.S)
@@ -57,8 +57,8 @@ class HermesParser(ToolParser):
         match = FUNCTION_TAG.fullmatch(block)
         if match is None or match.group(1) not in self.tools:
             return None
-        arguments = loads_object(match.group(2).strip())
-        return [new_call(match.group(1), arguments)] if isinstance(arguments, dict) else None
+        call = new_call(match.group(1), match.group(2).strip())
+        return [call] if call else None
 
 
 def parse_bare(text: str, names) -> list[dict] | None:

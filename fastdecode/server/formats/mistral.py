@@ -52,9 +52,8 @@ class MistralParser(ToolParser):
         if end is None:
             return None if not final else (None, len(text))
         name, used = named.group(1), offset + named.end() + end
-        if name not in self.tools or not isinstance(value, dict):
-            return None, used
-        return [new_call(name, value)], used
+        call = new_call(name, value) if name in self.tools else None
+        return ([call] if call else None), used
 
 
 def json_prefix(text: str, final: bool):
@@ -64,5 +63,5 @@ def json_prefix(text: str, final: bool):
         return None, None
     try:
         return DECODER.raw_decode(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack
         return None, None

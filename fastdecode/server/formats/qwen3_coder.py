@@ -19,7 +19,7 @@ import json
 import math
 import re
 
-from fastdecode.server.formats.base import ToolParser, new_call
+from fastdecode.server.formats.base import ToolParser, json_problem, new_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
@@ -48,9 +48,10 @@ class Qwen3CoderParser(ToolParser):
             if match.start() != at or match.group(1) not in self.tools:
                 return None
             arguments = self._arguments(match.group(2), self.tools[match.group(1)] or {})
-            if arguments is None:
+            call = new_call(match.group(1), arguments) if arguments is not None else None
+            if call is None:
                 return None
-            calls.append(new_call(match.group(1), arguments))
+            calls.append(call)
             at = match.end()
         return calls if calls and not inner[at:].strip() else None
 
@@ -78,8 +79,14 @@ def closed(text: str) -> str:
 
 
 def typed(value: str, schema: dict | None):
-    """A raw parameter value as the JSON type `schema` declares; as written when it is not one."""
-    kind = schema_type(schema)
+    """A raw parameter value as the JSON type `schema` declares; as written when it is not one, or when what it
+    reads as is not plain JSON (a Python literal with a tuple key, bytes or a set; NaN; a lone surrogate)."""
+    parsed = as_type(value, schema_type(schema))
+    return parsed if json_problem(parsed) is None else value
+
+
+def as_type(value: str, kind: str | None):
+    """`value` read as the JSON type `kind`; `value` itself when it does not read as one."""
     if kind in (None, "string"):
         return value
     text = value.strip()
@@ -107,7 +114,7 @@ def typed(value: str, schema: dict | None):
             pass
         try:  # a Python literal ({'a': 1}), as models sometimes write
             parsed = ast.literal_eval(text)
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # TypeError: {[1]: 2}
             return value
         return parsed if isinstance(parsed, (dict, list)) else value
     return value

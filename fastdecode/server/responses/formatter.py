@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 
+from fastdecode.server.errors import sendable
 from fastdecode.server.formats import ReplyFormat
 from fastdecode.server.protocol import Formatter, cached_tokens, named_sse, speed
 from fastdecode.server.responses.schemas import ResponsesRequest
@@ -45,7 +46,7 @@ class ResponsesFormatter(Formatter):
 
     def sse_error(self, status: int, message: str) -> str:
         return named_sse(self._event("error", code="server_error" if status >= 500 else "invalid_request_error",
-                                     message=message, param=None))
+                                     message=sendable(message), param=None))
 
     def start(self) -> list[dict]:
         shell = self.response_object("in_progress", None)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, field_validator
 
-from fastdecode.server.schemas import FUNCTION_NAME, MAX_TOOLS, Lenient
+from fastdecode.server.schemas import FUNCTION_NAME, MAX_TOOLS, Lenient, echoable
 
 
 class TextPart(Lenient):
@@ -122,6 +122,13 @@ class ResponsesRequest(Lenient):
     previous_response_id: str | None = None  # refused: this server keeps no responses
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
+
+    @field_validator("instructions", "tools", "tool_choice", "metadata")
+    @classmethod
+    def echoed(cls, value):
+        """The fields a response repeats (ResponsesFormatter.request): NaN, 1e999 or a lone surrogate in them was a
+        500, or a stream cut short, after the whole generation."""
+        return echoable(value)
 
     def functions(self) -> list[tuple[str | None, FunctionTool]]:
         """(namespace or None, tool) of every function the model is offered, namespaces' members included."""
