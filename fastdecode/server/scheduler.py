@@ -4,7 +4,7 @@ Each slot is a worker thread that takes the next request in arrival order and it
 handing each chunk to the request's asyncio queue on the event loop. The engine batches whatever streams are open
 (continuous batching), so `slots` is its batch size; a model that runs one request at a time (tensor parallelism, a
 model drafter) gets one slot. A request whose client went away, or whose time ran out, is dropped from the queue or
-has its stream closed after the current token, which frees its place in the engine.
+has its stream stopped (LLM.stream's `cancel`: within a step, even mid-prefill), which frees its place in the engine.
 """
 from __future__ import annotations
 
@@ -42,8 +42,13 @@ class Run:
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None
     end: str | None = None
+    expired: bool = False  # the time limit passed (cancelled is set too: it stops a stream even mid-prefill)
 
     def cancel(self):
+        self.cancelled.set()
+
+    def expire(self):
+        self.expired = True
         self.cancelled.set()
 
     @property
@@ -139,19 +144,18 @@ class Scheduler:
             return run.post("error", QueueTimeout("the request's time limit passed while it waited for the engine"))
         if self.metrics is not None:
             self.metrics.queue_wait.observe(run.queue_s)
+        # The limit also ends a prefill, through the same event a client that leaves sets: a stream that has no
+        # token yet has no chunk to look at the clock after (a 20k-token prompt at 8B prefills for minutes).
+        timer = threading.Timer(max(0.0, run.deadline - time.monotonic()), run.expire)
+        timer.daemon = True
+        timer.start()
         stream = run.open_stream()
-        end = "done"
         try:
             for chunk in stream:
                 run.post("chunk", chunk)
-                if chunk.completion is not None:
-                    break
-                if run.cancelled.is_set():
-                    end = "cancelled"
-                    break
-                if time.monotonic() > run.deadline:
-                    end = "timeout"
+                if chunk.completion is not None or run.cancelled.is_set():
                     break
         finally:
+            timer.cancel()
             stream.close()  # a stream closed early ends the request in the engine
-        run.post("end", "cancelled" if run.cancelled.is_set() else end)
+        run.post("end", "timeout" if run.expired else "cancelled" if run.cancelled.is_set() else "done")

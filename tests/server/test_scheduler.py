@@ -1,6 +1,7 @@
 """The FIFO in front of the engine, with plain generators standing in for `LLM.stream`: order, bound, cancel and
 time limit."""
 import asyncio
+import threading
 import time
 
 import pytest
@@ -91,6 +92,24 @@ def test_time_limit_ends_generation_and_expires_queued_requests():
         return slow.end, log
     end, log = asyncio.run(main())
     assert end == "timeout" and ("closed", "slow") in log and ("start", "late") not in log
+
+
+def test_time_limit_ends_a_stream_still_waiting_for_its_first_token():
+    cancel = threading.Event()
+
+    def prefill():  # as LLM.stream with `cancel`: no chunk until a long prefill ends, or until the event is set
+        if cancel.wait(10):
+            yield StreamChunk("", [])
+
+    async def main():
+        scheduler = scheduled()
+        start = time.monotonic()
+        run = scheduler.submit(prefill, 0.2, cancel)
+        await drain(run)
+        scheduler.stop()
+        return run.end, time.monotonic() - start
+    end, seconds = asyncio.run(main())
+    assert end == "timeout" and seconds < 1.5
 
 
 def test_engine_error_reaches_the_request_and_the_worker_goes_on():
