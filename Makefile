@@ -79,9 +79,10 @@ drafter: install
 	$(FASTDECODE) pull smollm2-135m
 	$(FASTDECODE) train-drafter -m smollm2-135m --out $(DRAFTER_DIR) --threads $(THREADS) $(DRAFTER_ARGS)
 
-# Real coding agents against `fastdecode serve` (docs/agents.md), kept out of `make test`: Claude Code, Codex CLI
-# and opencode installed with npm into $(FASTDECODE_HOME)/agents, `claude -p`, `codex exec` and `opencode run` on a
-# one-file task against gemma3-270m (32k context). Takes minutes: the agents' 9k-20k-token first prompts are prefilled on the CPU.
+# Real coding agents through `fastdecode launch` (docs/agents.md), kept out of `make test`: Claude Code, Codex CLI
+# and opencode installed with npm into $(FASTDECODE_HOME)/agents, each run as `fastdecode launch AGENT -m gemma3-270m
+# -p TASK` on a one-file task, checking that the user's own configuration files are unchanged. Takes minutes: the
+# agents' 7k-20k-token first prompts are prefilled on the CPU.
 .PHONY: agents
 agents: install
 	$(FASTDECODE) pull gemma3-270m
