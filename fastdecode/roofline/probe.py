@@ -22,6 +22,7 @@ WORKING_SET_BYTES = 96 * 10**6  # SmolLM2-135M in Q4_1 reads ~97 MB per token
 MIN_SAMPLE_BYTES = 32 * 10**6
 CACHE_VERSION = 2  # 2: matmul_tflops has int8
 MAX_AGE_S = 24 * 3600  # machines drift; a day-old probe is measured again
+BUSY_MAX_AGE_S = 600  # a figure measured on a busy machine reads low: kept only until the next quiet moment
 
 
 def _read_gb_s(size_bytes: int, repeats: int) -> dict:
@@ -99,8 +100,8 @@ def _machine_id() -> str:
 def cached_probe(size_bytes: int, threads: int | None = None, home: Path | None = None,
                  refresh: bool = False) -> dict:
     """Bandwidth at `size_bytes` and at DRAM, plus matmul TFLOPS, from $FASTDECODE_HOME/probe.json when it holds a
-    working set within 25% of `size_bytes` for this machine and thread count, measured within a day; else measured
-    and added to it."""
+    working set within 25% of `size_bytes` for this machine and thread count, measured within a day (within ten
+    minutes when the machine was busy then); else measured and added to it."""
     path = (home or fastdecode_home()) / "probe.json"
     if not threads:
         import torch
@@ -109,7 +110,8 @@ def cached_probe(size_bytes: int, threads: int | None = None, home: Path | None 
     entry = {} if refresh else _load(path).get(f"{_machine_id()}|{threads}") or {}
     entry.setdefault("working_sets", {})
     near = [int(b) for b in entry["working_sets"] if abs(int(b) - size_bytes) <= 0.25 * size_bytes]
-    fresh = time.time() - entry.get("measured_unix", 0) < MAX_AGE_S
+    age = time.time() - entry.get("measured_unix", 0)
+    fresh = age < (BUSY_MAX_AGE_S if entry.get("busy") else MAX_AGE_S)
     if near and fresh and "bandwidth_gb_s" in entry and "matmul_tflops" in entry:
         best = min(near, key=lambda b: abs(b - size_bytes))
         return {**entry, "working_set_bytes": best, "working_set_gb_s": entry["working_sets"][str(best)],

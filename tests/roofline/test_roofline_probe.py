@@ -43,3 +43,17 @@ def test_a_day_old_probe_is_measured_again(monkeypatch, tmp_path):
     probe.cached_probe(10**8, threads=2, home=tmp_path)
     monkeypatch.setattr(probe.time, "time", lambda: 1e12)  # far in the future
     assert probe.cached_probe(10**8, threads=2, home=tmp_path)["cached"] is False and len(calls) == 2
+
+
+def test_a_probe_measured_on_a_busy_machine_is_kept_only_minutes(monkeypatch, tmp_path):
+    calls, now = [], [1e9]
+    monkeypatch.setattr(probe, "measure_bandwidth", lambda threads, size: calls.append(size) or {
+        "threads": threads, "bandwidth_gb_s": 10.0, "working_set_gb_s": 20.0, "working_set": {"bytes": size},
+        "busy": "load 3.8 on 2 CPUs"})
+    monkeypatch.setattr(probe, "measure_matmul", lambda threads: {"fp32": 0.2})
+    monkeypatch.setattr(probe.time, "time", lambda: now[0])
+    probe.cached_probe(10**8, threads=2, home=tmp_path)
+    now[0] += 60
+    assert probe.cached_probe(10**8, threads=2, home=tmp_path)["cached"] is True
+    now[0] += probe.BUSY_MAX_AGE_S
+    assert probe.cached_probe(10**8, threads=2, home=tmp_path)["cached"] is False and len(calls) == 2
