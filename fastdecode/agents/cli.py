@@ -73,7 +73,7 @@ def launch_command(agent_name, model, prompt, port, api_key, serve_args, output_
                       f"out)[/dim]")
         command = [binary, *agent.args(endpoint), *agent_arguments(agent, prompt, list(agent_args))]
         err.print(f"[cyan]{agent.title} on {endpoint.model} ({endpoint.url}, context {endpoint.context:,} "
-                  f"tokens)[/cyan]")
+                  f"tokens; dashboard {endpoint.url}/)[/cyan]")
         code = run_agent(command, agent.env(endpoint, dict(os.environ)))
     finally:
         if server is not None:
