@@ -58,9 +58,8 @@ class Agent:
 
     def by_hand(self, e: Endpoint) -> str:
         """One shell line that runs the agent against `e` without `fastdecode launch`."""
-        changed = {k: v for k, v in self.env(e, {}).items() if v is not None}
-        assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in changed.items())
-        return " ".join(filter(None, [assigns, self.name, *map(shlex.quote, self.args(e))]))
+        assigns = [f"{k}={shlex.quote(v)}" for k, v in self.env(e, {}).items()]
+        return " ".join([*assigns, self.name, *map(shlex.quote, self.args(e))])
 
     def config_path(self, home: Path) -> Path:
         raise NotImplementedError
@@ -149,9 +148,6 @@ class Codex(Agent):
         overrides = {**{f"model_providers.fastdecode.{k}": v for k, v in self.provider(e).items()},
                      **self.profile(e)}
         return [arg for k, v in overrides.items() for arg in ("-c", f"{k}={toml_value(v)}")]
-
-    def by_hand(self, e):
-        return " ".join([f"FASTDECODE_API_KEY={shlex.quote(e.token)}", self.name, *map(shlex.quote, self.args(e))])
 
     def config_path(self, home):
         return Path(os.environ.get("CODEX_HOME") or home / ".codex") / "config.toml"
