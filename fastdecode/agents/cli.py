@@ -1,7 +1,6 @@
 """`fastdecode launch claude|codex|opencode`: a coding agent on a local model in one command."""
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -13,7 +12,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from fastdecode.agents.profiles import AGENTS, Agent, ConfigError, Endpoint
+from fastdecode.agents.profiles import AGENTS, Agent, ConfigError, Endpoint, read_json, write_json
 from fastdecode.agents.server import LaunchedServer, free_port, port_free, running
 from fastdecode.errors import FastdecodeError
 from fastdecode.loading.catalog import fastdecode_home
@@ -55,7 +54,8 @@ def launch_command(agent_name, model, prompt, port, api_key, serve_args, output_
     agent = AGENTS[agent_name]
     home = Path.home()
     record_path = fastdecode_home() / "launch" / f"{agent.name}.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    record = {}
+    edit_config(lambda: record.update(read_json(record_path)))  # what an earlier --config found there
     if restore:
         edit_config(lambda: agent.restore_config(home, record))
         record_path.unlink(missing_ok=True)
@@ -67,8 +67,7 @@ def launch_command(agent_name, model, prompt, port, api_key, serve_args, output_
     try:
         if write_config:
             edit_config(lambda: agent.write_config(endpoint, home, record))
-            record_path.parent.mkdir(parents=True, exist_ok=True)
-            record_path.write_text(json.dumps(record))
+            write_json(record_path, record)
             err.print(f"[dim]wrote {agent.config_path(home)} (`fastdecode launch {agent.name} --restore` takes it "
                       f"out)[/dim]")
         command = [binary, *agent.args(endpoint), *agent_arguments(agent, prompt, list(agent_args))]

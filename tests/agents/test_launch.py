@@ -9,6 +9,7 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
+from fastdecode.agents.profiles import Endpoint
 from fastdecode.agents.server import LaunchedServer, free_port, port_free
 from fastdecode.cli import main
 from fastdecode.loading.catalog import fastdecode_home
@@ -110,3 +111,20 @@ def test_a_missing_agent_is_one_line_naming_its_install_command(monkeypatch, tmp
     result = CliRunner().invoke(main, ["launch", "codex"])
     assert result.exit_code == 2
     assert "npm install -g @openai/codex" in result.output and "Traceback" not in result.output
+
+
+def test_config_writes_the_agents_own_settings_and_restore_takes_them_out(monkeypatch, tmp_path):
+    home = tmp_path / "home"
+    settings = home / ".claude" / "settings.json"
+    settings.parent.mkdir(parents=True)
+    settings.write_text('{\n  "theme": "dark"\n}\n')
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr("fastdecode.agents.cli.fastdecode_home", lambda: tmp_path / "fastdecode")
+    monkeypatch.setattr("fastdecode.agents.cli.find_agent", lambda agent: "true")
+    monkeypatch.setattr("fastdecode.agents.cli.connect", lambda *a: (None, Endpoint("http://127.0.0.1:8000", "m", 4096)))
+    result = CliRunner().invoke(main, ["launch", "claude", "--config", "-p", "hi"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(settings.read_text())["env"]["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8000"
+    result = CliRunner().invoke(main, ["launch", "claude", "--restore"])
+    assert result.exit_code == 0 and settings.read_text() == '{\n  "theme": "dark"\n}\n'
+    assert not (tmp_path / "fastdecode" / "launch" / "claude.json").exists()
