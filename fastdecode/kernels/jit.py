@@ -13,7 +13,6 @@ import importlib.util
 import logging
 import os
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from fastdecode import private_files
 
 log = logging.getLogger(__name__)
 
@@ -139,19 +140,12 @@ def compiler_version() -> str:
 
 def private_dir(directory: Path) -> Path:
     """`directory` ($FASTDECODE_HOME/kernels/NAME-KEY), made if missing; raises unless it and kernels/ are the user's
-    and writable by nobody else, and the home is not writable by everyone: whoever can write in any of them chooses
-    the code this process loads. (The home may be group-writable: umask 002 makes it so under user-private groups.)"""
-    kernels, home = directory.parent, directory.parent.parent
-    home.mkdir(parents=True, exist_ok=True)
-    for path in (kernels, directory):
-        path.mkdir(mode=0o700, exist_ok=True)
-    for path, writers in ((home, stat.S_IWOTH), (kernels, stat.S_IWGRP | stat.S_IWOTH),
-                          (directory, stat.S_IWGRP | stat.S_IWOTH)):
-        st = path.stat()
-        if (path != home and st.st_uid != os.getuid()) or st.st_mode & writers:
-            raise NativeBuildError(f"refusing to build or load native kernels in {path}: it must be yours and not "
-                                   "writable by others (chmod go-w)")
-    return directory
+    and writable by nobody else, and the home is not writable by everyone (private_files.private_dir): whoever can
+    write in any of them chooses the code this process loads."""
+    try:
+        return private_files.private_dir(directory, home=directory.parent.parent)
+    except private_files.UnsafeDirError as e:
+        raise NativeBuildError(f"refusing to build or load native kernels in {e}") from None
 
 
 @contextmanager

@@ -13,7 +13,10 @@ An image is two files under $FASTDECODE_HOME/weights: `KEY-PID-N.bin` (the tenso
 start on 2 MB) and `KEY.json` (the manifest: each loaded module's class, plain attributes and tensors, and which data
 file holds them), written last so a half-written image is never read. KEY hashes the GGUF's identity and header, samples of its data, the loader's dtype
 and the code that lays weights out, so a changed file or a changed layout never maps an old image. The manifest is
-parsed as untrusted: classes only from fastdecode and torch.nn, no pickle, every offset checked against the file.
+parsed as untrusted: classes only from fastdecode and torch.nn, no pickle, every offset checked against the file; the
+data is checked against a CRC-32 per 4 MB that its writer recorded (loading/image_checksums.py: in full where the file
+changed since, by samples where it did not). The folder must be the user's and writable by nobody else, as the kernel
+cache's must (private_files.py): whoever can write there chooses the weights this process runs.
 FASTDECODE_WEIGHT_CACHE_GB caps the images kept (least recently used go first; 0: no images), and
 FASTDECODE_WEIGHT_CACHE_DIR moves them.
 """
@@ -35,11 +38,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fastdecode import memory
+from fastdecode import memory, private_files
+from fastdecode.loading import image_checksums
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: checksums and a seal
 HUGE = 2 << 20  # storages this large start on a 2 MB boundary of the file, so the page cache can map them in 2 MB
 PAGE = mmap.PAGESIZE
 DEFAULT_CAP_GB = 50.0
@@ -303,16 +307,22 @@ class ImageWriter:
     def commit(self, manifest: dict) -> None:
         try:
             try:
+                manifest["checksums"] = image_checksums.file_checksums(self.fd, self.end)
                 os.fdatasync(self.fd)  # the data on disk before the manifest that vouches for it
+                manifest["seal"] = image_checksums.seal(os.fstat(self.fd))  # (its last write is behind it)
             finally:
                 os.close(self.fd)
-            tmp = self.directory / f"{self.key}.json.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(manifest))
-            os.replace(tmp, self.directory / f"{self.key}.json")
+            write_manifest(self.directory, self.key, manifest)
             log.info("weight image written: %s (%.2f GB)", self.data, self.end / 1e9)
         except OSError as e:
             log.warning("weight image not written: %s", e)
             self.data.unlink(missing_ok=True)
+
+
+def write_manifest(directory: Path, key: str, manifest: dict) -> None:
+    tmp = directory / f"{key}.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(manifest))
+    os.replace(tmp, directory / f"{key}.json")
 
 
 def whole_pages(nbytes: int) -> int:
@@ -332,11 +342,13 @@ def restore(directory: Path, key: str) -> tuple[dict | None, dict | None]:
         if manifest["format"] != FORMAT or manifest["key"] != key or Path(name).name != name:
             raise ImageError("manifest of another key or format")
         with open(directory / name, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+            st = os.fstat(fh.fileno())
+            size = st.st_size
             if manifest["file_bytes"] != size:
                 raise ImageError(f"data is {size} bytes, the manifest says {manifest['file_bytes']}")
             pages = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         memory.advise_huge_pages(pages)  # (copy on write: a stray write never reaches the file)
+        resealed = image_checksums.check(pages, st, manifest["checksums"], manifest["seal"])
         storages = []
         for s in manifest["storages"]:
             offset, nbytes = s["offset"], s["nbytes"]
@@ -361,7 +373,12 @@ def restore(directory: Path, key: str) -> tuple[dict | None, dict | None]:
         formats = {"kept": dict(manifest["formats"]["kept"]), "requantized": dict(manifest["formats"]["requantized"])}
     except (ImageError, OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
         raise ImageError(f"{manifest_path}: {e}") from None
-    os.utime(manifest_path)  # least recently used goes first
+    if resealed:  # the data file changed (a touch, a copy) and every chunk still matches: its next load samples
+        log.info("weight image %s checked in full: its file changed since it was last checked", manifest_path)
+        with contextlib.suppress(OSError):
+            write_manifest(directory, key, {**manifest, "seal": resealed})
+    with contextlib.suppress(OSError):  # (a read-only cache maps as well)
+        os.utime(manifest_path)  # least recently used goes first
     return state, formats
 
 
@@ -421,6 +438,12 @@ class WeightImage:
         written."""
         self.enabled = enabled and cap_bytes() > 0
         self.directory = image_dir()
+        if self.enabled:
+            try:
+                private_files.private_dir(self.directory, home=self.directory.parent)
+            except OSError as e:  # another's or a shared folder (UnsafeDirError), a read-only home: no images
+                log.warning("weight images off, the GGUF loads: %s", e)
+                self.enabled = False
         self.key = image_key(f, dtype) if self.enabled else ""
         self.size_estimate = sum(t.data.nbytes for t in f.tensors.values())
         self.writer: ImageWriter | None = None

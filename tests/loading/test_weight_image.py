@@ -3,6 +3,7 @@ load maps. The mapped model must be the packed one, module for module and byte f
 builds; a corrupt, stale or unwritable image must never change what loads."""
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -12,8 +13,8 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from torch import nn
 
-from fastdecode import LLM, SamplingParams, memory
-from fastdecode.loading import weight_image
+from fastdecode import LLM, SamplingParams, memory, private_files
+from fastdecode.loading import image_checksums, weight_image
 from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_native import load_gguf_native
 from tests.helpers.checkpoints import (build_model, checkpoint, kquant_gguf, quantized_checkpoint, scratch_dir,
@@ -242,3 +243,113 @@ def test_a_second_load_before_the_first_image_commits_writes_its_own_file(images
     second, mapped = load(path, caplog)
     assert not mapped and len(list(images.glob("*.bin"))) == 2
     assert_same_model(first, second)
+
+
+# ---- the data checked against its checksums; the folder checked as the kernel cache's ----------------------------
+def flip(images, spans=5, span=64 << 10):
+    """Inverts `spans` runs of up to `span` bytes spread over the storages' data, as a failing disk or a stray write
+    would (a write through the file system: the data file's seal breaks)."""
+    manifest = json.loads(next(images.glob("*.json")).read_text())
+    storages = sorted(manifest["storages"], key=lambda s: -s["nbytes"])[:spans]
+    with open(images / manifest["data"], "r+b") as fh:
+        for s in storages:
+            fh.seek(s["offset"])
+            data = fh.read(min(span, s["nbytes"]))
+            fh.seek(s["offset"])
+            fh.write(bytes(b ^ 0xFF for b in data))
+
+
+def fresh(path, monkeypatch) -> nn.Module:
+    """The model as a load without images builds it (the first load's own model maps the file it wrote: damage to the
+    file reaches it too)."""
+    with monkeypatch.context() as m:
+        m.setenv("FASTDECODE_WEIGHT_CACHE_GB", "0")
+        return load_gguf_native(path)
+
+
+def image_warnings(caplog) -> list[str]:
+    return [r.message for r in caplog.records if r.levelno == logging.WARNING and r.name == weight_image.__name__]
+
+
+def test_flipped_bytes_in_the_data_are_found_and_the_gguf_packs_again(images, monkeypatch, caplog):
+    monkeypatch.setattr(memory, "MIN_BYTES", 0)  # every storage in the file
+    path = FILES["mixed"]()
+    load(path, caplog)
+    flip(images)
+    reloaded, mapped = load(path, caplog)
+    warnings = image_warnings(caplog)
+    assert not mapped and len(warnings) == 1 and "its data changed since it was written" in warnings[0]
+    assert_same_model(fresh(path, monkeypatch), reloaded)
+    assert load(path, caplog)[1]  # the image packed again maps
+
+
+def test_flipped_bytes_in_an_image_decode_the_same_tokens_as_a_fresh_load(smollm2_path, images, caplog):
+    """The finding: 5 x 64 KB flipped in a `.bin` loaded "mapped from the image" and generated ''."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for damage in (False, True):
+        if damage:
+            flip(images)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fastdecode.loading"):
+            llm = LLM(str(smollm2_path), max_seq_len=128, speculate="none")
+        outputs.append(llm.generate(["def fibonacci(n):"], params)[0].token_ids)
+        llm.close()
+        committed()
+    assert not any("mapped from the image" in r.message for r in caplog.records)
+    assert any("weight image unusable" in r.message for r in caplog.records)
+    assert outputs[0] == outputs[1]
+
+
+def test_damage_that_breaks_no_seal_is_found_by_the_sampled_check(images, monkeypatch, caplog):
+    """Damage beneath the file system changes no time: only a load's sampled chunks find it (here all of them)."""
+    monkeypatch.setattr(memory, "MIN_BYTES", 0)
+    monkeypatch.setattr(image_checksums, "SAMPLED", 1 << 30)
+    path = FILES["mixed"]()
+    load(path, caplog)
+    flip(images, spans=1, span=16)
+    data = next(images.glob("*.bin"))
+    corrupt_manifest(images, lambda m: m.update({"seal": image_checksums.seal(data.stat())}))
+    reloaded, mapped = load(path, caplog)
+    assert not mapped and any("its data changed" in r.message for r in caplog.records)
+    assert_same_model(fresh(path, monkeypatch), reloaded)
+
+
+def test_a_file_that_changed_only_its_times_is_checked_in_full_once_and_maps(images, caplog):
+    path = FILES["mixed"]()
+    load(path, caplog)
+    data = next(images.glob("*.bin"))
+    os.utime(data)  # a touch, a copy with its times kept: the seal breaks, the bytes are the same
+    assert load(path, caplog)[1] and any("checked in full" in r.message for r in caplog.records)
+    assert json.loads(next(images.glob("*.json")).read_text())["seal"] == image_checksums.seal(data.stat())
+    assert load(path, caplog)[1] and not any("checked in full" in r.message for r in caplog.records)
+
+
+FOLDERS = {
+    "open to all (0777)": lambda images: images.chmod(0o777),
+    "group-writable": lambda images: images.chmod(0o770),
+    "a home writable by everyone": lambda images: images.parent.chmod(0o777),
+    "another user's": lambda images: os.chown(images, os.getuid() + 4321, -1),
+}
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_an_image_folder_others_can_write_is_neither_mapped_nor_written(folder, images, monkeypatch, caplog):
+    """Whoever can write in the folder chooses the weights: it is refused as the kernel cache's is."""
+    path = FILES["mixed"]()
+    packed, _ = load(path, caplog)
+    before = {p.name for p in images.iterdir()}
+    if folder == "another user's" and os.getuid() != 0:  # only root can give a folder away: seem to be another user
+        monkeypatch.setattr(private_files.os, "getuid", lambda: os.getuid() + 4321)
+    else:
+        FOLDERS[folder](images)
+    reloaded, mapped = load(path, caplog)
+    warnings = image_warnings(caplog)
+    assert not mapped and len(warnings) == 1 and "not writable by others" in warnings[0]
+    assert {p.name for p in images.iterdir()} == before  # nothing written or removed there either
+    assert_same_model(packed, reloaded)
+
+
+def test_a_new_image_folder_is_private(images, caplog):
+    load(FILES["mixed"](), caplog)
+    assert images.stat().st_mode & 0o777 == 0o700
