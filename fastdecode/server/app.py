@@ -61,7 +61,7 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="fastdecode", summary="OpenAI-compatible API over one fastdecode engine",
                   version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, max_values=config.max_body_values)
     app.add_middleware(Guard, config=config)  # outside BodyLimit: no key, no body read; inside the request count
     app.add_middleware(CountRequests, metrics=metrics)
     app.state.scheduler, app.state.metrics, app.state.served = scheduler, metrics, served

@@ -1,6 +1,7 @@
 """`fastdecode serve`: the OpenAI-compatible server on one model."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import click
@@ -9,6 +10,7 @@ from fastdecode.engine.cli import build_llm, err, model_kwargs, model_options
 from fastdecode.errors import FastdecodeError
 from fastdecode.server.banner import banner_lines
 from fastdecode.server.config import ServerConfig, key_name
+from fastdecode.server.connections import GuardedH11Protocol, connection_limits, quiet_connection_logs
 from fastdecode.server.security import is_loopback
 
 
@@ -32,12 +34,23 @@ from fastdecode.server.security import is_loopback
 @click.option("--request-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Seconds a request may take, queue wait included.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True)
+@click.option("--max-body-values", type=click.IntRange(min=1000), default=50_000, show_default=True,
+              help="JSON values (array elements and object members) a body may hold; more gets 413. What parsing "
+                   "and validating one body may cost the other streams: about 0.3 s at the default.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Connections open at once (fewer if `ulimit -n` is lower). One more closes the connection that has "
+                   "waited longest for its request, or gets 503 when every one is inside a request.")
+@click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds a client has to send a request's headers; past them it gets 408 and is disconnected.")
+@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="Seconds a client has to send a request's body, from its headers; past them, 408.")
 @click.option("--expose-speculation-stats", is_flag=True,
               help="Report each response's drafted and accepted token counts (off: they hint at what drafters saw).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 def serve(host, port, api_keys, api_keys_file, share_prefix_cache, served_model_name, max_queue, request_timeout,
-          max_body_bytes, expose_speculation_stats, log_level, **engine):
+          max_body_bytes, max_body_values, max_connections, header_timeout, body_timeout, expose_speculation_stats,
+          log_level, **engine):
     """Serve MODEL over an OpenAI-compatible HTTP API (chat and text completions, tools, streaming)."""
     import uvicorn
 
@@ -48,7 +61,9 @@ def serve(host, port, api_keys, api_keys_file, share_prefix_cache, served_model_
         keys.update(read_keys_file(api_keys_file))
     config = ServerConfig(host=host, port=port, api_keys=keys, share_prefix_cache=share_prefix_cache,
                           served_model_name=served_model_name, max_queue=max_queue, request_timeout_s=request_timeout,
-                          max_body_bytes=max_body_bytes, expose_speculation_stats=expose_speculation_stats)
+                          max_body_bytes=max_body_bytes, max_body_values=max_body_values,
+                          max_connections=max_connections, header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                          expose_speculation_stats=expose_speculation_stats)
     if not is_loopback(host) and not config.tenants():
         err.print(f"[yellow]warning: serving on {host} without an API key: anyone who reaches the port can use "
                   "the model[/yellow]")
@@ -61,7 +76,10 @@ def serve(host, port, api_keys, api_keys_file, share_prefix_cache, served_model_
     err.print(f"[cyan]{lines[0]}[/cyan]")
     for line in lines[1:]:
         err.print(line, markup=False, highlight=False, soft_wrap=True)  # whole lines: they are pasted into shells
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    quiet_connection_logs()
+    limits = connection_limits(config.max_connections, config.header_timeout_s, config.body_timeout_s)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, backlog=limits.backlog,
+                http=functools.partial(GuardedH11Protocol, limits=limits))
 
 
 def ceiling(llm) -> dict | None:

@@ -18,6 +18,14 @@ class ServerConfig:
     max_queue: int = 64  # requests waiting beyond the one generating; the next gets 429 with Retry-After
     request_timeout_s: float = 600.0  # queue wait plus generation; past it the reply ends with finish_reason length
     max_body_bytes: int = 8 * 2**20  # a 128k-token conversation is about 0.5 MB of JSON
+    # What parsing and validation may cost the event loop (limits.py): up to 6 us a value (a list of tool calls), so
+    # 0.3 s. Claude Code's first request holds about 600; each turn after adds some 20.
+    max_body_values: int = 50_000
+    # Connections (connections.py): open at once, beyond which one waiting for its request is closed for the new
+    # one (or, with none waiting, the new one gets 503); and the seconds a request's headers, then its body, may take.
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0  # 140 KB/s for the largest body
     disconnect_poll_s: float = 0.25  # how often a request that has no bytes out yet checks its client is there
     # Each response's drafted and accepted counts (in its `fastdecode` figures): off by default, since how well a
     # drafter guesses says something about what it has seen. Drafters' memory is per tenant either way.

@@ -51,11 +51,34 @@ def dumped(value):
     return [dumped(v) for v in value] if isinstance(value, list) else value
 
 
-class Strict(BaseModel):
+def fail_fast(schema):
+    """`schema` (pydantic's core schema, nested dicts and lists) with every list-like validator set to fail fast."""
+    if isinstance(schema, dict):
+        if schema.get("type") in ("list", "tuple", "set", "frozenset"):
+            schema["fail_fast"] = True
+        for value in schema.values():
+            fail_fast(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            fail_fast(value)
+    return schema
+
+
+class Schema(BaseModel):
+    """A request body's part whose lists stop at their first bad item: otherwise pydantic goes on through every item
+    and FastAPI rewrites each error (26 us an item in a union of lists: 0.5 s of the event loop for a 60 KB prompt of
+    mixed ids and strings), while the client reads only the first."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return fail_fast(handler(source))
+
+
+class Strict(Schema):
     model_config = ConfigDict(extra="forbid")
 
 
-class Lenient(BaseModel):
+class Lenient(Schema):
     model_config = ConfigDict(extra="ignore")
 
 
