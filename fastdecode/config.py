@@ -20,6 +20,16 @@ HF_ARCHITECTURES = {
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
                "gemma3_text": "gemma3", "gemma3": "gemma3", "gpt_oss": "gpt_oss"}
 SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "yarn")
+# The rope_scaling keys layers/rotary.py reads for each kind: those it needs, and those it reads where given.
+ROPE_SCALING_KEYS = {"linear": (("factor",), ()),
+                     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                                ()),
+                     "yarn": (("factor", "original_max_position_embeddings"),
+                              ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"))}
+# llama.cpp's names for them (after `{architecture}.`).
+GGUF_ROPE_KEYS = {"factor": "rope.scaling.factor", "original_max_position_embeddings":
+                  "rope.scaling.original_context_length", "beta_fast": "rope.scaling.yarn_beta_fast",
+                  "beta_slow": "rope.scaling.yarn_beta_slow"}
 # Sizes far beyond any released model's (the largest have about 128 layers, hidden 16k, 262k-token vocabularies and
 # 10M-token contexts), below which nothing built from a config can take more than a file of its size can hold: a
 # hostile header asking for 2^31 layers is refused before a list of that length is made.
@@ -155,6 +165,9 @@ class ModelConfig:
         kind = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type") or "default"
         if kind not in SUPPORTED_ROPE_SCALING:
             raise UnsupportedModelError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
+        if rope_scaling:
+            where = "rope_parameters" if rope_scaling is rope_parameters else "rope_scaling"
+            check_rope_scaling(rope_scaling, lambda key: f"config.json {where}.{key}")
         if family == "gemma3":
             c.layer_types = cfg.get("layer_types") or gemma3_layer_types(
                 c.num_hidden_layers, cfg.get("sliding_window_pattern", 6))
@@ -196,9 +209,6 @@ class ModelConfig:
 
     def field_checks(self):
         """(field, whether its value has the type and form the model code reads) for the fields beside the sizes."""
-        def number(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
         def integers(v):
             return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
 
@@ -248,11 +258,13 @@ class ModelConfig:
         vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
         scaling, kind = None, get("rope.scaling.type", "none")
         if kind == "linear":
-            scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+            scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
         elif kind == "yarn":
             scaling = gguf_yarn(get, truncate=family != "gpt_oss")
         elif kind != "none":
             raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (only linear, llama3 and yarn)")
+        if scaling:
+            check_rope_scaling(scaling, lambda key: f"GGUF {arch}.{GGUF_ROPE_KEYS.get(key, key)}")
         c = cls(
             family=family,
             vocab_size=vocab,
@@ -271,6 +283,10 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=[meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else [],
         ).check()
+        rotated = get("rope.dimension_count", c.head_dim)
+        if rotated != c.head_dim:
+            raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count is {rotated!r}, not the head size "
+                                        f"{c.head_dim}: partial rotary embeddings are not supported")
         if family != "gemma3":
             c.rope_local_base_freq = c.rope_theta  # only Gemma 3's windowed layers have their own base
         if family == "qwen2":
@@ -287,6 +303,33 @@ class ModelConfig:
             c.final_logit_softcapping = get("final_logit_softcapping")
             c.layer_types = gemma3_layer_types(c.num_hidden_layers, 6)
         return c
+
+
+def number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_rope_scaling(scaling: dict, name):
+    """Raises ModelFileError, naming the key as `name(key)` spells it, unless each key layers/rotary.py reads for this
+    kind of scaling is a finite number it can use: factors, lengths and betas above 0 (each divides or goes under a
+    logarithm), mscales not negative, llama3's high frequency factor above its low one (it divides by the gap)."""
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    needed, optional = ROPE_SCALING_KEYS.get(kind, ((), ()))
+    for key in needed + optional:
+        value = scaling.get(key)
+        if value is None:
+            if key in needed:
+                raise ModelFileError(f"{name(key)} is missing ({kind} rope scaling needs it)")
+            continue
+        zero_ok = key.startswith("mscale")  # an mscale of 0 means none
+        if not number(value) or value < 0 or (value == 0 and not zero_ok):
+            raise ModelFileError(f"{name(key)} is {value!r}: it must be a finite number "
+                                 f"{'of 0 or more' if zero_ok else 'above 0'}")
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ModelFileError(f"{name('high_freq_factor')} ({scaling['high_freq_factor']}) must be above "
+                             f"{name('low_freq_factor')} ({scaling['low_freq_factor']})")
+    if not isinstance(scaling.get("truncate", True), bool):
+        raise ModelFileError(f"{name('truncate')} is {scaling['truncate']!r}: it must be true or false")
 
 
 def gemma3_layer_types(num_layers: int, pattern: int) -> list[str]:
@@ -327,10 +370,10 @@ def read_gguf_moe(c: ModelConfig, get):
 def gguf_yarn(get, truncate: bool) -> dict:
     """llama.cpp's YaRN keys in transformers' rope_parameters form. `truncate` (round the correction range to whole
     dimensions) has no key: transformers' default is true, gpt-oss's config.json sets it false."""
-    return {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+    return {"rope_type": "yarn", "factor": get("rope.scaling.factor"),
             "original_max_position_embeddings": get("rope.scaling.original_context_length"),
-            "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
-            "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": truncate}
+            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0),
+            "truncate": truncate}
 
 
 def gpt_oss_layer_types(num_layers: int) -> list[str]:

@@ -3,6 +3,8 @@ import math
 
 import torch
 
+from fastdecode.errors import ModelFileError
+
 
 def inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -25,7 +27,10 @@ def inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -> tor
     if kind == "yarn":
         return yarn_inverse_frequencies(head_dim, base, scaling)
     if kind == "freq_factors":  # llama.cpp stores llama3 scaling as a `rope_freqs` tensor of divisors
-        return inv_freq / scaling["factors"].float()
+        factors = scaling["factors"].float()
+        if factors.shape != inv_freq.shape or not (factors.isfinite() & (factors > 0)).all():
+            raise ModelFileError(f"GGUF rope_freqs.weight must be {len(inv_freq)} finite divisors above 0")
+        return inv_freq / factors
     raise ValueError(f"unsupported rope scaling {kind!r}")
 
 

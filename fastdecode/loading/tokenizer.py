@@ -1,5 +1,5 @@
 """Tokenizer: a Hugging Face `tokenizers.Tokenizer` built from a GGUF vocabulary or a model directory, plus chat
-templates rendered in a jinja2 sandbox.
+templates, rendered in a jinja2 sandbox within limits (chat_template.py).
 
 A GGUF file has no tokenizer.json, only llama.cpp's vocabulary keys. `from_gguf` rebuilds the pipeline that
 transformers' GGUF converter builds (integrations/gguf/gguf_tokenizer_mapping.py) without importing transformers,
@@ -11,7 +11,6 @@ import functools
 import hashlib
 import json
 import os
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -152,19 +151,40 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **extra) -> str:
-        token = lambda i: self.backend.id_to_token(i) if i is not None else None  # noqa: E731
-        variables = {"bos_token": token(self.bos_token_id),
-                     "eos_token": token(self.eos_token_ids[0] if self.eos_token_ids else None), **extra}
         try:
-            if self._compiled[0] != self.chat_template:
-                self._compiled = (self.chat_template, compile_template(self.chat_template))
-            # OpenAI clients send `"content": null` next to tool calls; templates expect the key to be absent.
-            messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-            return self._compiled[1].render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         **variables)
+            return self.render_chat_template(messages, add_generation_prompt, tools, extra)
         except Exception as e:  # a template is untrusted code: any failure is the request's, not ours
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidRequestError(f"chat template failed: {message}") from None
+
+    def render_chat_template(self, messages: list[dict], add_generation_prompt: bool, tools, extra: dict) -> str:
+        """apply_chat_template's text, the template's errors raised as they come."""
+        from fastdecode.loading.chat_template import ChatTemplate
+
+        token = lambda i: self.backend.id_to_token(i) if i is not None else None  # noqa: E731
+        variables = {"bos_token": token(self.bos_token_id),
+                     "eos_token": token(self.eos_token_ids[0] if self.eos_token_ids else None), **extra}
+        if self._compiled[0] != self.chat_template:
+            self._compiled = (self.chat_template, ChatTemplate(self.chat_template))
+        # OpenAI clients send `"content": null` next to tool calls; templates expect the key to be absent.
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        return self._compiled[1].render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                        **variables)
+
+    def check_chat_template(self) -> Tokenizer:
+        """Renders two short conversations (chat_template.PROBES), so that a template that goes past its render limits
+        fails the load rather than every request. Its other errors are left to the requests: a template may refuse a
+        probe's roles or tools, and a request may not send them."""
+        from fastdecode.loading.chat_template import PROBES, TemplateLimitError
+
+        for messages, tools in PROBES:
+            try:
+                self.render_chat_template(messages, True, tools, {})
+            except TemplateLimitError as e:
+                raise ModelFileError(f"the model's chat template {e} rendering a short conversation") from None
+            except Exception:  # noqa: BLE001 - see above
+                pass
+        return self
 
     # ---- construction --------------------------------------------------------------------------------------------
     @classmethod
@@ -208,7 +228,7 @@ class Tokenizer:
         if implied is not None:
             implied.bind(backend, ids["bos"] if add_bos else None, ids["eos"] if add_eos else None)
         return cls(backend, ids["bos"], [ids["eos"]] if ids["eos"] is not None else [],
-                   metadata.get("tokenizer.chat_template"), implied)
+                   metadata.get("tokenizer.chat_template"), implied).check_chat_template()
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -233,7 +253,7 @@ class Tokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
-        return cls(backend, bos_id, [i for i in eos_ids if i is not None], template)
+        return cls(backend, bos_id, [i for i in eos_ids if i is not None], template).check_chat_template()
 
 
 def _integer(v) -> bool:
@@ -542,23 +562,6 @@ def bytes_to_unicode() -> dict[int, str]:
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     shifted = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
-
-
-def compile_template(source: str):
-    """The environment transformers renders chat templates in: sandboxed, trim/lstrip blocks, its own helpers."""
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    # jinja's own tojson escapes HTML characters; templates expect plain json.dumps.
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env.from_string(source)
 
 
 def read_json(path: Path) -> dict:
