@@ -22,25 +22,11 @@ from fastdecode.agents.server import LaunchedServer, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.helpers.chromium import ARGS, chromium_path  # noqa: E402
+from tests.server.test_dashboard import CHARTS, drawn, open_page  # noqa: E402
 
 KEY = "dashboard-check"
-CHARTS = ["c-requests", "c-ttft", "c-decode", "c-prefill", "c-cache", "c-kv", "c-accept"]
-INK = """ids => Object.fromEntries(ids.map(id => {
-    const c = document.getElementById(id), px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-    let ink = 0;
-    for (let i = 0; i < px.length; i += 4) if (px[i] < 250 || px[i + 1] < 250 || px[i + 2] < 250) ink++;
-    return [id, {points: +c.dataset.points, ink_share: ink / (c.width * c.height)}]; }))"""
-
-
-def open_page(browser, url: str, key: str | None):
-    context = browser.new_context(viewport={"width": 1280, "height": 1400})
-    if key:
-        context.add_init_script(f"sessionStorage.setItem('fastdecode-api-key', {key!r})")
-    page = context.new_page()
-    page.statuses = []
-    page.on("response", lambda r: page.statuses.append(r.status))
-    page.goto(url + "/")
-    return page
+def ink(page) -> dict:
+    return {chart: {"points": points, "ink_share": dots / area} for chart, (points, dots, area) in drawn(page).items()}
 
 
 def main():
@@ -67,15 +53,15 @@ def main():
             page.wait_for_function("() => +document.getElementById('c-decode').dataset.points >= 2", timeout=300_000)
             shots = [args.out / "dashboard-1.png", args.out / "dashboard-2.png"]
             page.screenshot(path=str(shots[0]), full_page=True)
-            before = page.evaluate(INK, CHARTS)
+            before = ink(page)
             time.sleep(args.gap)
             page.screenshot(path=str(shots[1]), full_page=True)
-            after = page.evaluate(INK, CHARTS)
+            after = ink(page)
             anonymous = open_page(browser, endpoint.url, None)
             anonymous.wait_for_function("() => document.getElementById('status').textContent === 'API key required'")
             time.sleep(2)
             anonymous.screenshot(path=str(args.out / "dashboard-no-key.png"), full_page=True)
-            hidden = anonymous.evaluate(INK, CHARTS)
+            hidden = ink(anonymous)
             anonymous_text = anonymous.locator("body").inner_text()
             browser.close()
     finally:
@@ -94,9 +80,9 @@ def main():
         "without_key_shows_requests": any(v["points"] for v in hidden.values()),
         "without_key_status": anonymous_text.split("\n")[0][:200]}
     (args.out / "dashboard.json").write_text(json.dumps(result, indent=2))
-    drawn = [c for c in CHARTS if after[c]["points"] and after[c]["ink_share"] > 0.01]
+    charts_drawn = [c for c in CHARTS if after[c]["points"] and after[c]["ink_share"] > 0.01]
     ok = result["screenshots_differ"] and not errors and not result["without_key_shows_requests"]
-    print(f"screenshots differ: {result['screenshots_differ']}; charts drawn: {', '.join(drawn)}; "
+    print(f"screenshots differ: {result['screenshots_differ']}; charts drawn: {', '.join(charts_drawn)}; "
           f"5xx: {errors or 'none'}; without the key: {'requests shown' if result['without_key_shows_requests'] else 'nothing shown'}")
     print("PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
