@@ -148,11 +148,12 @@ def main():
         "model": args.model, "minutes": args.minutes, "clients": args.clients, "serve_args": args.serve_args,
         "requests": len(done) + left[0] + len(failures), "finished": len(done), "left_on_purpose": left[0],
         "lost": len(failures), "failures": failures[:20], "mismatches": len(mismatches),
-        "mismatched": sorted(set(mismatches))[:20], "rss_mb": {"start": rss[0] / 1024, "max": max(rss) / 1024,
-                                                               "end": rss[-1] / 1024}}
+        "mismatched": sorted(set(mismatches))[:20],
+        "rss_mb_every_10s": [round(kb / 1024) for kb in rss]}  # the first before any request
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("failures", "mismatched")}))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("failures", "mismatched", "rss_mb_every_10s")}))
+    print(f"RSS (MB, every 10 s): {result['rss_mb_every_10s']}")
     ok = not failures and not mismatches
     print("PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
