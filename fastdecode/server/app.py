@@ -41,13 +41,14 @@ class ClientGone(Exception):
     pass
 
 
-def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
+def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = None) -> FastAPI:
+    """ceiling: the model's decode roofline on this machine (roofline.probe.decode_ceiling), for the dashboard."""
     config = config or ServerConfig()
     served = ServedModel(llm, config.served_model_name)
     metrics = Metrics()
     # The engine batches every open stream; the single-request loop (tensor parallelism, model drafters) takes one.
     scheduler = Scheduler(config.max_queue, metrics, slots=llm.engine.config.max_batch if llm.engine else 1)
-    recorder = Recorder(llm, scheduler)  # the dashboard's last minutes
+    recorder = Recorder(llm, scheduler, ceiling)  # the dashboard's last minutes
     started = int(time.time())
 
     @asynccontextmanager

@@ -71,8 +71,9 @@ def serve(host, port, api_keys, api_keys_file, share_prefix_cache, served_model_
     llm = build_llm(**model_kwargs(engine))
     # Our own lines (what each agent request holds) beside uvicorn's, at the same level.
     logging.basicConfig(format="%(levelname)-9s %(name)s: %(message)s", level=log_level.upper())
-    app = create_app(llm, config)
-    lines = banner_lines(llm, app.state.served.id, engine_model, host, port, config, ceiling(llm))
+    roofline = ceiling(llm)
+    app = create_app(llm, config, roofline)
+    lines = banner_lines(llm, app.state.served.id, engine_model, host, port, config, roofline)
     err.print(f"[cyan]{lines[0]}[/cyan]")
     for line in lines[1:]:
         err.print(line, markup=False, highlight=False, soft_wrap=True)  # whole lines: they are pasted into shells

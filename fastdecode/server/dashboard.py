@@ -8,14 +8,12 @@ caller sees are its own tenant's, since another tenant's prompt lengths and cach
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
@@ -31,7 +29,6 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'unsa
                                            "frame-ancestors 'none'",
                 "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,11 +57,15 @@ class RequestPoint:
 class Recorder:
     """The dashboard's window of numbers; `start` samples the gauges on a thread of its own."""
 
-    def __init__(self, llm, scheduler, window_s: float = WINDOW_S, sample_s: float = SAMPLE_S):
+    def __init__(self, llm, scheduler, ceiling: dict | None = None, window_s: float = WINDOW_S,
+                 sample_s: float = SAMPLE_S):
+        """ceiling: roofline.probe.decode_ceiling's figures for the model (serve measures them at start), or None."""
         self.llm, self.scheduler, self.window_s, self.sample_s = llm, scheduler, window_s, sample_s
         self.samples: deque[Sample] = deque(maxlen=int(window_s / sample_s) + 1)
         self.requests: deque[RequestPoint] = deque(maxlen=MAX_REQUESTS)
-        self.ceiling = DecodeCeiling(llm)
+        self.ceiling = ceiling and {"decode_tok_s": round_figure(ceiling["decode_tok_s"]),
+                                    "bandwidth_gb_s": round(ceiling["bandwidth_gb_s"], 2),
+                                    "weight_bytes_per_token": ceiling["bytes_per_token"]}
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -110,7 +111,7 @@ class Recorder:
         kv = self.llm.engine.kv if self.llm.engine is not None else None
         return {"now": round(now, 3), "window_s": self.window_s, "sample_s": self.sample_s,
                 "kv_capacity_tokens": kv.capacity if kv is not None else None,
-                "ceiling": self.ceiling.get(),
+                "ceiling": self.ceiling,
                 "gauges": columns(samples, Sample), "requests": columns(requests, RequestPoint),
                 "summary": summary(requests)}
 
@@ -140,38 +141,6 @@ def summary(requests: list[RequestPoint]) -> dict:
             "hit_rate": round_figure(cached / prompt) if prompt else None,
             "drafted": drafted, "accepted": accepted,
             "acceptance": round_figure(accepted / drafted) if drafted else None}
-
-
-class DecodeCeiling:
-    """One stream's decode roofline at an empty context, as `fastdecode generate --speed-table` computes it: this
-    machine's read bandwidth at the weights' working set over the weight bytes a token reads. The bandwidth comes
-    from the probe's cache (a day old at most) or is measured, which takes seconds: so on a thread, the first time
-    the page asks, never at start-up."""
-
-    def __init__(self, llm):
-        self.llm, self.value, self.lock = llm, None, threading.Lock()
-        self.thread: threading.Thread | None = None
-        # The engine's own thread count, read here on the thread that built the model (torch's is per thread).
-        self.threads = llm.engine.threads if llm.engine is not None else torch.get_num_threads()
-
-    def get(self) -> dict | None:
-        with self.lock:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._measure, name="fastdecode-roofline", daemon=True)
-                self.thread.start()
-        return self.value
-
-    def _measure(self):
-        from fastdecode.roofline.probe import decode_ceiling
-
-        try:
-            ceiling = decode_ceiling(self.llm.weight_bytes_per_token(), self.threads)
-        except Exception as e:  # a model without the figure (tensor-parallel ranks, stubs): no ceiling line
-            log.info("dashboard: no roofline ceiling (%s)", e)
-            return
-        self.value = {"decode_tok_s": round_figure(ceiling["decode_tok_s"]),
-                      "bandwidth_gb_s": round(ceiling["bandwidth_gb_s"], 2),
-                      "weight_bytes_per_token": ceiling["bytes_per_token"]}
 
 
 def dashboard_routes(recorder: Recorder) -> APIRouter:
