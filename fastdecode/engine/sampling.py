@@ -115,18 +115,27 @@ class Sampler:
             self.logprobs.append({"token_id": token, "logprob": float(logprobs[token]),
                                   "top": [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))})
 
+    def allowed_draft(self, draft):
+        """`draft` (speculative decoding's) cut to what the grammar allows after the output so far: a draft token it
+        refuses could never be accepted, so it is not worth a row of the verify pass."""
+        check = getattr(self.logits_processor, "draft_prefix", None)
+        if draft is None or check is None:
+            return draft
+        return draft.allowed(lambda tokens: check(self.output, tokens))
+
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that reshapes logits: the argmax of the raw logits is the token."""
         return self.params.greedy and not self.params.penalised and self.logits_processor is None
 
-    def process(self, logits: torch.Tensor) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, masked: bool = True) -> torch.Tensor:
         """Processor, penalties, temperature and truncation applied to float32 logits (vocab,); -inf marks removed
-        tokens."""
+        tokens. `masked` False: a grammar's mask is left out (see sample)."""
         p = self.params
         logits = logits.float()
         if self.logits_processor is not None:
-            logits = self.logits_processor(self.output, logits)
+            unmasked = getattr(self.logits_processor, "unmasked", None)
+            logits = self.logits_processor(self.output, logits) if masked or unmasked is None else unmasked(logits)
         if p.repetition_penalty != 1 and self.seen:
             ids = self.seen_ids[:len(self.seen)]
             v = logits[ids]
@@ -157,10 +166,19 @@ class Sampler:
         return torch.softmax(logits, -1)
 
     def sample(self, logits: torch.Tensor) -> int:
-        """logits (vocab,) -> next token id."""
+        """logits (vocab,) -> next token id. Under a grammar, the token drawn without its mask is kept when the
+        grammar accepts it, and drawn again with the mask otherwise: the same distribution as masking first
+        (engine/grammar.py), at the cost of a mask only where the model strays."""
         if self.plain_greedy:
             return argmax(logits)
-        logits = self.process(logits)
+        accepts = getattr(self.logits_processor, "accepts", None)
+        if accepts is not None:
+            token = self._draw(self.process(logits, masked=False))
+            if accepts(self.output, token):
+                return token
+        return self._draw(self.process(logits))
+
+    def _draw(self, logits: torch.Tensor) -> int:
         if self.params.greedy:
             return argmax(logits)
         return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=self.generator))

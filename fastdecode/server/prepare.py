@@ -3,21 +3,23 @@ reply is read (its tool-call format and reasoning, chosen from the chat template
 raises ApiError (400/404) here, before the request takes a place in the queue."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-
 from pydantic import ValidationError
 
-from fastdecode.engine.constraints import GrammarProcessor, TokenTexts, json_object_grammar
+from fastdecode.engine.grammar import GrammarCompiler, GrammarProcessor, lark_grammar
 from fastdecode.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from fastdecode.errors import FastdecodeError
 from fastdecode.server.errors import ApiError
-from fastdecode.server.formats import HermesParser, ReplyFormat, reasoning_in, tool_format
+from fastdecode.server.formats import ReplyFormat, reasoning_in, tool_format
+from fastdecode.server.formats.lark import vocabulary_tokens
 from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest, Sampling
-from fastdecode.server.tools import forced_call_grammar, template_knows_tools, template_messages
+from fastdecode.server.structured import output_grammar
+from fastdecode.server.tools import template_knows_tools, template_messages
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none
 PROMPT_TAIL_TOKENS = 16  # enough to see whether the generation prompt ends by opening `<think>`
@@ -34,24 +36,26 @@ class EngineRequest:
 
 
 class ServedModel:
-    """The engine and what the API calls it; the vocabulary's token texts are built on the first constrained
-    request."""
+    """The engine, what the API calls it, and the grammars compiled for its vocabulary."""
 
     def __init__(self, llm, name: str | None = None):
         self.llm = llm
         self.id = name or llm.name
         self.aliases = {self.id, llm.name, Path(llm.name).name, Path(llm.name).stem}
-        self._texts: TokenTexts | None = None
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        return GrammarCompiler(self.llm.tokenizer)
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """The vocabulary's added tokens by their text: a tool-call grammar writes a format's markers as them."""
+        return vocabulary_tokens(self.llm.tokenizer)
 
     def check_model(self, model: str):
         if model not in self.aliases:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.id}`", "model",
                            "model_not_found")
-
-    def token_texts(self) -> TokenTexts:
-        if self._texts is None:
-            self._texts = TokenTexts.from_tokenizer(self.llm.tokenizer)
-        return self._texts
 
 
 def as_chat_request(fields: dict) -> ChatCompletionRequest:
@@ -70,6 +74,8 @@ class ChatPrompt:
     ids: list[int]
     reply: ReplyFormat | None  # None: no tools shown and no reasoning, the reply is plain text
     forced: list[dict] | None = None
+    template: str = ""  # the chat template, which says the tool-call format's variant
+    strict: frozenset[str] = frozenset()  # the tools marked `strict`: their schemas are followed to the letter
 
 
 def chat_prompt(body: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
@@ -101,14 +107,13 @@ def chat_prompt(body: ChatCompletionRequest, served: ServedModel) -> ChatPrompt:
     # What the template made of everything else the messages carry (reasoning sent back, call arguments, tools).
     can_fit(llm, len(text), "messages")
     ids = encode(lambda: llm.tokenizer.encode(text, add_special_tokens=False))
-    # A forced call is written in the Hermes form its grammar spells, from the first token: no reasoning first.
-    parser = HermesParser if forced else taught
-    reasoning = None if forced else reasoning_in(template, llm.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
+    reasoning = reasoning_in(template, llm.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
     reply = None
-    if tools or reasoning or parser.channels:
-        reply = ReplyFormat(parser if tools or parser.channels else None,
+    if tools or reasoning or taught.channels:
+        reply = ReplyFormat(taught if tools or taught.channels else None,
                             {t["function"]["name"]: t["function"].get("parameters") for t in tools}, reasoning)
-    return ChatPrompt(ids, reply, forced)
+    strict = frozenset(t["function"]["name"] for t in tools if t["function"].get("strict"))
+    return ChatPrompt(ids, reply, forced, template, strict)
 
 
 # reasoning_effort levels at which a template that can turn reasoning off (Qwen3's enable_thinking) turns it off
@@ -134,17 +139,43 @@ def chat_request(body: ChatCompletionRequest, served: ServedModel, prompt: ChatP
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, prompt.ids, max_tokens, logprobs, served.llm)
-    grammar = forced_call_grammar(prompt.forced) if prompt.forced else response_grammar(body.response_format)
-    processor = logits_processor(body, grammar, params, served)
+    ends = []
     if prompt.reply is not None:  # the format's special-token markers stay in the text for its parser
         token_id = served.llm.tokenizer.backend.token_to_id
         params.keep_token_ids = [i for i in map(token_id, prompt.reply.special_markers) if i is not None]
+        # Harmony's replies end at <|return|> or <|call|>; the vocabulary's end-of-turn tokens include <|end|>,
+        # which ends each message of a reply and so must not stop it.
         ends = [i for i in map(token_id, prompt.reply.stop_markers) if i is not None]
-        if ends and grammar is None and not params.ignore_eos:
-            # Harmony's replies end at <|return|> or <|call|>; the vocabulary's end-of-turn tokens include <|end|>,
-            # which ends each message of a reply and so must not stop it.
-            params.stop_token_ids, params.ignore_eos = [*params.stop_token_ids, *ends], True
+    processor = logits_processor(body, reply_grammar(body, prompt, served), params, served, ends)
+    if ends and not params.ignore_eos:
+        params.stop_token_ids, params.ignore_eos = [*params.stop_token_ids, *ends], True
     return EngineRequest(prompt.ids, params, processor, prompt.reply, cache_salt=body.cache_salt)
+
+
+def reply_grammar(body: ChatCompletionRequest, prompt: ChatPrompt, served: ServedModel) -> tuple[str, str] | None:
+    """(grammar, the parameter it came from) a chat reply follows, or None. A forced call is the whole reply (what
+    response_format asks of text does not apply to it); otherwise response_format and the like; otherwise, with
+    tools offered, text or well-formed calls in the format the model was taught."""
+    reply = prompt.reply
+    if prompt.forced:
+        tools = {t["function"]["name"]: t["function"].get("parameters") for t in prompt.forced}
+        # A named function is one call to it (as vLLM and OpenAI answer); "required" one or more, as the request's
+        # parallel_tool_calls allows.
+        parallel = body.parallel_tool_calls is not False and body.tool_choice == "required"
+        return call_grammar(body, prompt, served, tools, forced=True, parallel=parallel), "tool_choice"
+    asked = output_grammar(body)
+    if asked is not None or reply is None or not reply.tools:
+        return asked
+    return call_grammar(body, prompt, served, reply.tools, forced=False, parallel=body.parallel_tool_calls is not False
+                        ), "tools"
+
+
+def call_grammar(body: ChatCompletionRequest, prompt: ChatPrompt, served: ServedModel, tools: dict, forced: bool,
+                 parallel: bool) -> str:
+    lark = prompt.reply.tool_parser.call_grammar(tools, forced=forced, parallel=parallel,
+                                                 reasoning=prompt.reply.reasoning, strict=prompt.strict,
+                                                 template=prompt.template, added_tokens=served.added_tokens)
+    return lark_grammar(lark)
 
 
 def completion_request(body: CompletionRequest, served: ServedModel) -> EngineRequest:
@@ -172,17 +203,8 @@ def completion_request(body: CompletionRequest, served: ServedModel) -> EngineRe
     if body.echo:
         echo = prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt_ids)
     params = sampling_params(body, prompt_ids, body.max_tokens, body.logprobs, llm)
-    grammar = response_grammar(body.response_format)
-    return EngineRequest(prompt_ids, params, logits_processor(body, grammar, params, served), echo=echo,
+    return EngineRequest(prompt_ids, params, logits_processor(body, output_grammar(body), params, served), echo=echo,
                          cache_salt=body.cache_salt)
-
-
-def response_grammar(response_format):
-    """json_object: any object; json_schema: an object with the schema's top-level keys (values are not checked)."""
-    if response_format is None or response_format.type == "text":
-        return None
-    schema = (response_format.json_schema or {}).get("schema") if response_format.type == "json_schema" else None
-    return json_object_grammar(schema)
 
 
 def message_dict(m) -> dict:
@@ -272,29 +294,25 @@ def sampling_params(body: Sampling, prompt_ids: list[int], max_tokens: int | Non
         raise ApiError(400, str(e)) from None
 
 
-def logits_processor(body: Sampling, grammar, params: SamplingParams, served: ServedModel):
-    """logit_bias, then the grammar (it picks among the biased logits), as one processor."""
-    processors = []
-    if body.logit_bias:
-        processors.append(bias_processor(body.logit_bias, served.llm.config.vocab_size))
-    if grammar is not None:
-        first_only = params.greedy and not params.penalised
-        processors.append(GrammarProcessor(grammar, served.token_texts(), served.llm.tokenizer.eos_token_ids,
-                                           first_only=first_only))
-        params.ignore_eos = False  # the grammar ends the reply with end-of-sequence
-    if not processors:
-        return None
-    if len(processors) == 1:
-        return processors[0]
-
-    def chain(output_ids, logits):
-        for p in processors:
-            logits = p(output_ids, logits)
-        return logits
-    return chain
+def logits_processor(body: Sampling, grammar: tuple[str, str] | None, params: SamplingParams, served: ServedModel,
+                     ends: list[int] = ()):
+    """logit_bias, then the grammar (it picks among the biased logits), as one processor. `grammar`: (llguidance
+    grammar, the parameter it came from); `ends`: the tokens that end the reply when not end-of-sequence (harmony's)."""
+    vocab_size = served.llm.config.vocab_size
+    bias = bias_tensor(body.logit_bias, vocab_size) if body.logit_bias else None
+    if grammar is None:
+        return None if bias is None else lambda output_ids, logits: logits + bias
+    source, param = grammar
+    eos = list(ends) or served.llm.tokenizer.eos_token_ids
+    try:
+        matcher = served.grammars.matcher(source, eos, what=param)
+    except FastdecodeError as e:
+        raise ApiError(400, str(e), param) from None
+    params.ignore_eos = False  # the grammar ends the reply
+    return GrammarProcessor(matcher, served.grammars.vocab_size, eos, bias)
 
 
-def bias_processor(logit_bias: dict[str, float], vocab_size: int):
+def bias_tensor(logit_bias: dict[str, float], vocab_size: int) -> torch.Tensor:
     bias = torch.zeros(vocab_size)
     for key, value in logit_bias.items():
         try:
@@ -305,4 +323,4 @@ def bias_processor(logit_bias: dict[str, float], vocab_size: int):
             raise ApiError(400, f"logit_bias: token ids lie in [0, {vocab_size}) and biases in [-100, 100]",
                            "logit_bias")
         bias[token] = value
-    return lambda output_ids, logits: logits + bias
+    return bias

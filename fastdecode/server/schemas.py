@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from fastdecode.engine.json_schema import check_size, object_keys
+from fastdecode.engine.json_schema import check_size
 from fastdecode.engine.sampling import STOP_LIMITS, stop_within_limits
 from fastdecode.errors import InvalidRequestError
 from fastdecode.server.formats.base import json_problem
@@ -21,16 +21,20 @@ INT64 = 2**63 - 1
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_LOGIT_BIAS = 1024  # entries; each is a token the bias touches
+MAX_GRAMMAR_CHARS = 100_000  # a grammar or regex as text; llguidance bounds what compiling it costs
+MAX_CHOICES = 1_000
 
 
 def checked_schema(value: dict | None, schema, what: str):
-    """`value` unchanged, once it is within the size limits and `schema` (inside it) is one the grammar can read:
-    checked while the body is validated, so a bad schema costs no tokenizing and answers 400 with its parameter."""
+    """`value` unchanged, once it is within the size limits and `schema` (inside it) is a JSON Schema (an object or
+    a boolean): checked while the body is validated, so a bad schema costs no tokenizing and answers 400 with its
+    parameter. What the schema says is checked when its grammar is compiled."""
     try:
         check_size(value, what)
-        object_keys(schema, what)
     except InvalidRequestError as e:
         raise PydanticCustomError("invalid_schema", str(e)) from None
+    if schema is not None and not isinstance(schema, (dict, bool)):
+        raise PydanticCustomError("invalid_schema", f"{what} must be a JSON object")
     return value
 
 
@@ -139,13 +143,42 @@ class StreamOptions(Strict):
 
 
 class ResponseFormat(Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None  # the output is an object with the schema's top-level keys
+    type: Literal["text", "json_object", "json_schema", "grammar", "regex"]
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)  # our extension: a Lark grammar (llguidance's)
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)  # our extension: the whole output matches it
 
     @field_validator("json_schema")
     @classmethod
     def readable_schema(cls, json_schema):
         return checked_schema(json_schema, (json_schema or {}).get("schema"), "json_schema.schema")
+
+    @model_validator(mode="after")
+    def given(self):
+        if self.type in ("grammar", "regex") and getattr(self, self.type) is None:
+            raise PydanticCustomError("missing_field", f"a response_format of type {self.type} needs `{self.type}`")
+        return self
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: exactly one of its constraints."""
+    json_: dict[str, Any] | bool | None = Field(None, alias="json")
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+
+    @field_validator("json_")
+    @classmethod
+    def readable_schema(cls, schema):
+        return checked_schema(schema, schema, "structured_outputs.json")
+
+    @model_validator(mode="after")
+    def one(self):
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise PydanticCustomError("one_constraint", "structured_outputs takes exactly one of json, regex, "
+                                                        "choice and grammar")
+        return self
 
 
 class Sampling(Strict):
@@ -168,6 +201,8 @@ class Sampling(Strict):
     repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     ignore_eos: bool | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # prefix-cache namespace within the tenant
+    structured_outputs: StructuredOutputs | None = None
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)  # llama.cpp's: GBNF, or Lark after %llguidance
 
     @field_validator("stop")
     @classmethod

@@ -1,5 +1,5 @@
-"""Tool calls in the prompt: the messages and tools the chat template sees, and the grammar that forces a call.
-Calls in the reply are read by server/formats/.
+"""Tool calls in the prompt: the messages and tools the chat template sees. Calls in the reply are read, and
+constrained, by server/formats/.
 
 Templates that know tools (Qwen, Hermes, Llama 3.1, Mistral...) get `tools` and the conversation as OpenAI sends it.
 For templates that ignore `tools` (SmolLM2's, Gemma 3's) the tools go into the system message in the Hermes form and
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from fastdecode.engine.constraints import Alternatives, JsonObject, Literal, Sequence
 from fastdecode.server.formats.base import loads_object
 from fastdecode.server.formats.hermes import CLOSE, OPEN
 
@@ -66,11 +65,3 @@ def template_messages(messages: list[dict], tools: list[dict] | None, knows_tool
         else:
             out.insert(0, {"role": "system", "content": system})
     return out
-
-
-def forced_call_grammar(tools: list[dict]) -> Sequence:
-    """Output that is exactly one Hermes tool call to one of `tools` (tool_choice "required" or a named tool), its
-    arguments keyed by the function's parameters."""
-    calls = [Sequence([Literal(f'{t["function"]["name"]}", "arguments": '),
-                       JsonObject.for_schema(t["function"].get("parameters"))]) for t in tools]
-    return Sequence([Literal(f'{OPEN}\n{{"name": "'), Alternatives(calls), Literal(f"}}\n{CLOSE}")])

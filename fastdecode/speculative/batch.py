@@ -60,8 +60,8 @@ class BatchSpeculator:
         best, best_rate = None, 0.0
         for d in state.drafters:
             d.observe(context)
-            chosen, rate = self.policy.choose(d.propose(context, budget), base_rows=base_rows,
-                                              base_tokens=base_tokens)
+            proposed = seq.sampler.allowed_draft(d.propose(context, budget))
+            chosen, rate = self.policy.choose(proposed, base_rows=base_rows, base_tokens=base_tokens)
             if chosen is not None and (best is None or rate > best_rate):
                 best, best_rate = chosen, rate
         state.draft, state.draft_s = best, time.perf_counter() - t0

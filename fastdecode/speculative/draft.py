@@ -57,6 +57,20 @@ class Draft:
         return Draft([self.tokens[i] for i in keep], [index[self.parents[i]] if self.parents[i] >= 0 else -1
                                                       for i in keep], [self.scores[i] for i in keep], q, self.drafter)
 
+    def allowed(self, prefix_allowed) -> "Draft | None":
+        """The nodes whose whole path from the root a grammar allows, or None when it allows none.
+        `prefix_allowed(tokens)`: how many of `tokens`, from the root on, the grammar allows in a row."""
+        if self.is_chain:
+            keep = list(range(prefix_allowed(self.tokens)))
+        else:
+            paths: list[list[int]] = []
+            for token, p in zip(self.tokens, self.parents):
+                paths.append((paths[p] if p >= 0 else []) + [token])
+            keep = [i for i, path in enumerate(paths) if prefix_allowed(path) == len(path)]
+        if len(keep) == len(self):
+            return self
+        return self.subset(keep) if keep else None
+
     def tree_inputs(self, root_token: int, root_pos: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
         """-> (tokens (T,), positions (T,), ancestor mask (T, T) or None for a chain) with the root as token 0."""
         tokens = [root_token] + self.tokens

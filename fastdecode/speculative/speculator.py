@@ -198,21 +198,21 @@ class Speculator:
                 # Slots pos..pos+nodes must fit the cache, and drafting past max_tokens is wasted.
                 pos = len(context) - 1
                 budget = min(self.policy.max_nodes, max_tokens - n - 1, self.max_seq_len - pos - 1)
-                draft = self.draft(context, budget, stats) if budget > 0 else None
+                draft = self.draft(context, budget, stats, sampler) if budget > 0 else None
                 emitted = self.step(draft, context, sampler, stop_ids, stats)
                 context += emitted
         finally:
             for d in self.drafters:
                 d.finish(context)
 
-    def draft(self, context: list[int], budget: int, stats: SpeculationStats) -> Draft | None:
+    def draft(self, context: list[int], budget: int, stats: SpeculationStats, sampler: Sampler) -> Draft | None:
         """The best draft the policy will verify this step, or None for a plain decode step."""
         t0 = time.perf_counter()
         best, best_rate = None, 1.0 / self.policy.cost(1)
         plain_rate = best_rate
         for d in self.drafters:
             if d.model_free:
-                chosen, rate = self.policy.choose(d.propose(context, budget))
+                chosen, rate = self.policy.choose(sampler.allowed_draft(d.propose(context, budget)))
                 if chosen is not None and (best is None or rate > best_rate):  # a probe comes at the plain rate
                     best, best_rate = chosen, rate
         self.model_draft_s = 0.0
@@ -227,7 +227,7 @@ class Speculator:
             if self.policy.adaptive and not gate.allow(plain_rate):
                 continue
             t1 = time.perf_counter()
-            chosen, rate = self.policy.choose(d.propose(context, budget))
+            chosen, rate = self.policy.choose(sampler.allowed_draft(d.propose(context, budget)))
             self.model_draft_s = time.perf_counter() - t1
             if chosen is not None and (best is None or rate > best_rate):
                 best, best_rate = chosen, rate

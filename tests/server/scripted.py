@@ -29,7 +29,8 @@ class ScriptedLLM:
         return getattr(self.llm, name)
 
     def stream(self, prompt, params=None, logits_processor=None, **kw):
-        assert logits_processor is None, "a scripted reply takes no grammar or logit bias"
+        """The script is what the model says: the request's grammar (tools get one) is not applied, so that replies
+        a grammar would refuse still test how the server reads them."""
         tokenizer = self.llm.tokenizer
         ids = tokenizer.encode(self.script, add_special_tokens=False) + tokenizer.eos_token_ids[:1]
 

@@ -92,7 +92,7 @@ def test_forced_tool_use_round_trip(claude):
 
 def test_streamed_tool_use_parses_with_the_stream_helper(claude):
     kw = dict(model=MODEL, max_tokens=80, **GREEDY, messages=ASK_WEATHER, tools=[WEATHER],
-              tool_choice={"type": "any"})
+              tool_choice={"type": "any", "disable_parallel_tool_use": True})
     plain = claude.messages.create(**kw)
     with claude.messages.stream(**kw) as stream:
         kinds = [e.type for e in stream]

@@ -133,7 +133,7 @@ def test_json_object_mode_gives_parseable_json(client):
 
 def test_json_mode_when_streamed_is_the_same_json(client):
     kw = dict(model=MODEL, temperature=0, max_tokens=120, response_format={"type": "json_object"},
-              messages=[{"role": "user", "content": "A JSON object with a list of three fruits."}])
+              messages=[{"role": "user", "content": "Give a JSON object with the keys fruit and color for an apple."}])
     whole = client.chat.completions.create(**kw).choices[0].message.content
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
                        if c.choices)
@@ -153,7 +153,7 @@ def test_forced_tool_call_is_parsed_into_tool_calls(client):
 
 def test_required_tool_call_streams_as_tool_call_deltas(client):
     kw = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
-              temperature=0, max_tokens=80)
+              parallel_tool_calls=False, temperature=0, max_tokens=80)
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
     chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]

@@ -45,8 +45,8 @@ def test_stream_events_and_text_match_the_plain_response(client):
 
 
 def test_stream_helper_gives_the_final_response_of_a_function_call(client):
-    kw = dict(model=MODEL, input=ASK_WEATHER, tools=[WEATHER], tool_choice="required", temperature=0,
-              max_output_tokens=80)
+    kw = dict(model=MODEL, input=ASK_WEATHER, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+              temperature=0, max_output_tokens=80)
     plain = client.responses.create(**kw)
     with client.responses.stream(**kw) as stream:
         kinds = [e.type for e in stream]

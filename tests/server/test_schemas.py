@@ -44,16 +44,15 @@ def deep(depth: int):
 
 
 CASES = {  # name: (fields, the parameter the error names, a word the message holds)
-    "required a number": ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {}}, "required": 5}}}},
-        "response_format.json_schema", "required"),
-    "required true in a forced tool": ({"tools": [tool({"type": "object", "properties": {}, "required": True})],
-                                        "tool_choice": "required"}, "tools.0.function.parameters", "required"),
+    "a schema that is not an object": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": [1]}}}, "response_format.json_schema", "object"),
     "schema too deep": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                                      "schema": deep(40)}}},
                         "response_format.json_schema", "32"),
-    "too many properties": ({"tools": [tool({"properties": {f"k{i}": {} for i in range(1001)}})]},
-                            "tools.0.function.parameters", "1000"),
+    "a grammar past the limit": ({"response_format": {"type": "grammar", "grammar": "x" * 100_001}},
+                                 "response_format.grammar", "100000"),
+    "two constraints in structured_outputs": ({"structured_outputs": {"regex": "a", "choice": ["b"]}},
+                                              "structured_outputs", "exactly one"),
     "too many logit_bias entries": ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "1024"),
     "too many tools": ({"tools": [tool({})] * 129}, "tools", "128"),
 }

@@ -19,7 +19,7 @@ CASES = {
     "json": dict(messages=[{"role": "user", "content": "A JSON object listing three colours."}], max_tokens=96,
                  response_format={"type": "json_object"}),
     "tool call": dict(messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=64,
-                      tools=[WEATHER_TOOL], tool_choice="required"),
+                      tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False),
     "logprobs": dict(messages=REPEAT, max_tokens=24, logprobs=True, top_logprobs=2),
 }
 

@@ -1,7 +1,6 @@
-"""Tools in the prompt: the conversation a template sees and the grammar that forces a call."""
-from fastdecode.server.formats import HermesParser, MistralParser
-from fastdecode.server.tools import forced_call_grammar, template_messages
-from tests.server.formats.replay import run
+"""Tools in the prompt: the conversation a template sees (the grammars of calls: tests/server/formats/)."""
+from fastdecode.server.formats import MistralParser
+from fastdecode.server.tools import template_messages
 
 
 def test_template_without_tool_support_gets_hermes_text():
@@ -25,19 +24,6 @@ def test_template_with_tool_support_gets_the_conversation_with_parsed_arguments(
         "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}, {"role": "tool", "content": "sunny"}]
     out = template_messages(messages, [{"type": "function", "function": {"name": "get_weather"}}], knows_tools=True)
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"} and out[1]["role"] == "tool"
-
-
-def test_forced_call_grammar_accepts_exactly_a_call_the_parser_reads():
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-    grammar = forced_call_grammar(tools)
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    state = grammar.start
-    for ch in text:
-        state = grammar.step(state, ch)
-        assert state is not None
-    assert grammar.done(state) and run(HermesParser({"get_weather": None}), [text]) == [
-        ("tool_call", ("get_weather", {"city": "Oslo"}))]
 
 
 def test_consecutive_user_turns_merge_for_templates_that_need_alternation():

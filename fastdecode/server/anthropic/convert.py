@@ -49,9 +49,12 @@ def chat_body(body: MessagesInput) -> ChatCompletionRequest:
     if body.tools:
         fields["tools"] = [{"type": "function", "function": {
             "name": t.name, "parameters": t.input_schema,
-            **({"description": t.description} if t.description is not None else {})}} for t in body.tools]
+            **({"description": t.description} if t.description is not None else {}),
+            **({"strict": t.strict} if t.strict is not None else {})}} for t in body.tools]
     if body.tool_choice is not None:
         fields["tool_choice"] = tool_choice(body.tool_choice)
+        if body.tool_choice.disable_parallel_tool_use:
+            fields["parallel_tool_calls"] = False
     # As with Claude, no `thinking` means no reasoning: a template that can turn it off (Qwen3's) is told to, one that
     # can only lower it (gpt-oss's) is given the lowest level.
     thinks = body.thinking is not None and body.thinking.type != "disabled"

@@ -52,13 +52,14 @@ class Tool(Lenient):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None  # the input follows the schema to the letter (keywords it cannot follow: a 400)
     type: Literal["custom"] | None = None  # Anthropic's own tools (bash_..., web_search_...) are not served
 
 
 class ToolChoice(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None  # for "tool"
-    disable_parallel_tool_use: bool | None = None  # accepted: the parser returns every call it finds
+    disable_parallel_tool_use: bool | None = None  # true: at most one call
 
 
 class Thinking(Lenient):

@@ -4,6 +4,9 @@ that passes text through, holds back what may still become a call, and hands eac
 A format only says where a call starts (`starts`) and how to read one (`read_call`); the loop keeps text and calls
 in order and never lets half a marker or half a call out as text. A call whose arguments are not a JSON object that
 every client reads alike (json_problem) is no call: it stays text, as any call that does not parse does.
+
+Each format also writes the Lark grammar (llguidance's dialect) of a whole reply it reads (`call_grammar`), from the
+same markers its parser looks for, with the helpers of formats/lark.py.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import json
 import math
 import secrets
 import sys
+from collections.abc import Mapping
 
 Event = tuple[str, object]  # ("content", text) | ("reasoning", text) | ("tool_call", OpenAI tool call)
 MAX_DEPTH = 64  # nested arrays and objects: far past any tool's arguments, far short of Python's ~1,000-frame
@@ -127,6 +131,19 @@ class ToolParser:
     def template_message(message: dict) -> dict:
         """A message, as the chat template sees it, in the form the format's templates accept."""
         return message
+
+    @classmethod
+    def call_grammar(cls, tools: dict[str, dict | None], *, forced: bool, parallel: bool = True,
+                     reasoning: str | None = None, strict: frozenset[str] = frozenset(), template: str = "",
+                     added_tokens: Mapping[str, int] | None = None) -> str:
+        """Lark text of a whole reply this parser reads as calls to `tools` (name -> parameters schema, None: any
+        object), arguments valid against each schema (`strict`: the tools whose unknown keywords are refused rather
+        than ignored). `forced`: calls only (several when `parallel`); otherwise free text that can never open a
+        call, optionally followed by calls. `reasoning` as formats.reasoning_in says; `template`: the chat template,
+        for formats with variants. `added_tokens`: the vocabulary's added tokens (vocabulary_tokens): a marker
+        the vocabulary holds as a token is written as that token (llguidance reads every added token that looks
+        like `<...>` as special, which text does not match); None: every marker as text."""
+        raise NotImplementedError
 
     def read_call(self, text: str, final: bool) -> tuple[list[dict] | None, int] | None:
         """`text` starts with one of `starts`. Returns (calls, used): the first `used` characters are one call

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 from fastdecode.server.formats.base import Event, ToolParser, new_call, partial_marker
+from fastdecode.server.formats.lark import literal, marker, text_terminal, text_until, tool_rules
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
 CALL, RETURN = "<|call|>", "<|return|>"
@@ -43,6 +44,30 @@ class HarmonyParser(ToolParser):
             events.append(("content", self.buffer))  # text that never became a header
         self.buffer, self.kind = "", None
         return events
+
+    @classmethod
+    def call_grammar(cls, tools, *, forced, parallel=True, reasoning=None, strict=frozenset(), template="",
+                     added_tokens=None) -> str:
+        """Analysis messages (reasoning), then one call, `<|channel|>commentary to=functions.NAME <|constrain|>json
+        <|message|>{ARGS}<|call|>` (`<|call|>` ends the reply, so one call a reply); not `forced`: preambles on
+        commentary may come before the call, or a final answer in its place. Arguments are compact JSON, as gpt-oss
+        writes them. The channels carry the reasoning: `reasoning` is not asked of harmony."""
+        added_tokens = added_tokens or {}
+        m = lambda text: marker(text, added_tokens)  # noqa: E731
+
+        def frame(name, args):
+            return f'{literal(name + " ")} {m(CONSTRAIN)} "json" {m(MESSAGE)} {args} {m(CALL)}'
+
+        then = f'{m(START)} "assistant"'  # the next message's header, to its channel
+        return "\n".join([
+            "start: analysis* call" if forced else "start: (analysis | preamble)* (call | final)",
+            f'analysis: {m(CHANNEL)} "analysis" {m(MESSAGE)} said {then}',
+            f'preamble: {m(CHANNEL)} "commentary" {m(MESSAGE)} said {then}',
+            f'final: {m(CHANNEL)} "final" {m(MESSAGE)} answer',
+            f'call: {m(CHANNEL)} "commentary to=functions." tool',
+            text_terminal("BODY", cls.special_markers),  # the parser looks for the markers in the text
+            text_until("said", "BODY", END, added_tokens), text_until("answer", "BODY", RETURN, added_tokens),
+            *tool_rules(tools, strict, frame, compact=True)])
 
     @staticmethod
     def template_message(message: dict) -> dict:

@@ -7,9 +7,14 @@ import json
 import re
 
 from fastdecode.server.formats.base import Event, ToolParser, call_from_json, new_call
+from fastdecode.server.formats.lark import ANY, call_object, literal, marker, opener_grammar, text_terminal, tool_rules
+from fastdecode.server.formats.reasoning import reasoning_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_TAG = re.compile(r"<function=([a-zA-Z0-9_-]{1,64})>(.*?)</function>", re.S)
+JSON_PIECE = re.compile(r'(?P<string>"(?:[^"\\]|\\.)*")|(?P<open>")|[{}\[\]]')  # a string, an open one, a bracket
+# Text that opens like JSON and says "name" could be a whole reply parse_bare reads as a call.
+BARE_CALL = r'\s*[\[{]' + ANY + '"name"'
 
 
 class HermesParser(ToolParser):
@@ -38,9 +43,31 @@ class HermesParser(ToolParser):
             self.bare = False
         return super().finish()
 
+    @classmethod
+    def call_grammar(cls, tools, *, forced, parallel=True, reasoning=None, strict=frozenset(), template="",
+                     added_tokens=None) -> str:
+        """`<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>`, a newline between calls."""
+        added_tokens = added_tokens or {}
+        start, not_opening = reasoning_grammar(reasoning, added_tokens)
+        text = text_terminal("TEXT", cls.starts, (*not_opening, BARE_CALL))
+        answer = opener_grammar(OPEN, "body", literal("\n"), text, added_tokens, forced=forced, parallel=parallel)
+        return "\n".join([*start, *answer, f'body: "\\n" tool "\\n" {marker(CLOSE, added_tokens)}',
+                          *tool_rules(tools, strict, call_object("arguments"))])
+
     def read_call(self, text: str, final: bool):
         close = CLOSE if text.startswith(OPEN) else "</function>"
         end = text.find(close)
+        if close == CLOSE and text[len(OPEN):].lstrip().startswith("{"):
+            # The call ends at the marker after its JSON: a string in it may hold `</tool_call>` (code about calls).
+            after = json_end(text, len(text) - len(text[len(OPEN):].lstrip()))
+            rest = "" if after is None else text[after:].lstrip()
+            if rest.startswith(CLOSE):
+                end = text.index(CLOSE, after)
+            elif CLOSE.startswith(rest):  # a string still open, or the marker still coming
+                if not final:
+                    return None
+                if after is not None:  # EOS after the object
+                    return self._parse(text[:after] + CLOSE), len(text)
         if end < 0:
             # EOS before the closing marker: a complete object still counts
             return ((self._parse(text + close), len(text)) if final else None)
@@ -59,6 +86,20 @@ class HermesParser(ToolParser):
             return None
         call = new_call(match.group(1), match.group(2).strip())
         return [call] if call else None
+
+
+def json_end(text: str, at: int) -> int | None:
+    """Where the JSON object or array that opens at `at` ends, its brackets counted outside strings (json.loads
+    checks the rest); None while it is still open."""
+    depth = 0
+    for piece in JSON_PIECE.finditer(text, at):
+        if piece.group("open"):
+            return None  # a string that has not closed
+        if not piece.group("string"):
+            depth += 1 if piece.group() in "{[" else -1
+            if depth == 0:
+                return piece.end()
+    return None
 
 
 def parse_bare(text: str, names) -> list[dict] | None:

@@ -13,6 +13,8 @@ import json
 import re
 
 from fastdecode.server.formats.base import ToolParser, call_from_json, new_call
+from fastdecode.server.formats.lark import call_object, literal, marker, opener_grammar, text_terminal, tool_rules
+from fastdecode.server.formats.reasoning import reasoning_grammar
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 NAMED = re.compile(r"([a-zA-Z0-9_.-]{1,64})(?:\[CALL_ID\][A-Za-z0-9_-]*)?\[ARGS\]\s*")
@@ -28,6 +30,24 @@ class MistralParser(ToolParser):
     def template_call_id(call_id: str) -> str:
         """Mistral's templates refuse ids that are not 9 letters or digits: the id's last 9 of them, padded."""
         return "".join(c for c in call_id if c.isascii() and c.isalnum())[-9:].rjust(9, "0")
+
+    @classmethod
+    def call_grammar(cls, tools, *, forced, parallel=True, reasoning=None, strict=frozenset(), template="",
+                     added_tokens=None) -> str:
+        """`[TOOL_CALLS]NAME[ARGS]{...}` for each call where the template renders `[ARGS]`, else one
+        `[TOOL_CALLS][{"name": "NAME", "arguments": {...}}, ...]` list."""
+        added_tokens = added_tokens or {}
+        start, not_opening = reasoning_grammar(reasoning, added_tokens)
+        text = text_terminal("TEXT", cls.starts, not_opening)
+        if ARGS in template:
+            frame = lambda name, args: f"{literal(name)} {marker(ARGS, added_tokens)} {args}"  # noqa: E731
+            answer = opener_grammar(TOOL_CALLS, "tool", "", text, added_tokens, forced=forced, parallel=parallel)
+        else:
+            frame = call_object("arguments")
+            more = ' (", " tool)*' if parallel else ""
+            answer = [*opener_grammar(TOOL_CALLS, "calls", "", text, added_tokens, forced=forced, parallel=False),
+                      f'calls: " "? "[" tool{more} "]"']
+        return "\n".join([*start, *answer, *tool_rules(tools, strict, frame)])
 
     def read_call(self, text: str, final: bool):
         rest = text[len(TOOL_CALLS):]

@@ -11,6 +11,10 @@
 Values are raw text (code needs no JSON escaping); each becomes the JSON type the tool's schema gives its parameter,
 as vLLM's qwen3_coder parser does: integer, number, boolean, object and array (JSON), else the string as written.
 A `<function=...>` block without `<tool_call>` around it is read too (the model drops the wrapper at times).
+
+The grammar writes each offered tool's parameters in their declared order, the required ones always, each at most
+once: typed ones as JSON their schema accepts (booleans also as `True`/`False`, as Qwen's template renders them),
+strings as raw text that cannot close the value, the function or the call early.
 """
 from __future__ import annotations
 
@@ -19,7 +23,11 @@ import json
 import math
 import re
 
+import llguidance
+
 from fastdecode.server.formats.base import ToolParser, json_problem, new_call
+from fastdecode.server.formats.lark import ANY, json_rule, literal, marker, opener_grammar, text_terminal, text_until
+from fastdecode.server.formats.reasoning import reasoning_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
@@ -30,6 +38,32 @@ PARAMETER = re.compile(r"\s*<parameter=([^>\n]{1,128})>(.*?)</parameter>", re.S)
 
 class Qwen3CoderParser(ToolParser):
     starts = (OPEN, FUNCTION_OPEN)
+
+    @classmethod
+    def call_grammar(cls, tools, *, forced, parallel=True, reasoning=None, strict=frozenset(), template="",
+                     added_tokens=None) -> str:
+        added_tokens = added_tokens or {}
+        if not tools:
+            raise ValueError("a call grammar needs a tool to call")
+        start, not_opening = reasoning_grammar(reasoning, added_tokens)
+        text = text_terminal("TEXT", cls.starts, not_opening)
+        answer = opener_grammar(OPEN, "body", literal("\n"), text, added_tokens, forced=forced, parallel=parallel)
+        # The XML tags are text: in Qwen3-Coder's vocabulary only <tool_call> and </tool_call> are tokens.
+        lines = [*start, *answer, f'body: "\\n" function "\\n" {marker(CLOSE, added_tokens)}',
+                 "function: " + " | ".join(f"function_{i}" for i in range(len(tools))),
+                 text_terminal("VALUE", (PARAMETER_CLOSE, FUNCTION_CLOSE, CLOSE)),
+                 text_until("text_value", "VALUE", "\n" + PARAMETER_CLOSE, {})]
+        for i, (name, schema) in enumerate(tools.items()):
+            schema = schema or {}
+            parts = [literal(f"{FUNCTION_OPEN}{name}>\n")]
+            for j, (parameter, spec) in enumerate((schema.get("properties") or {}).items()):
+                rule = f"p_{i}_{j}"
+                head = literal(f"{PARAMETER_OPEN}{parameter}>\n")
+                value, defined = value_rules(f"{rule}_value", spec, name in strict)
+                lines += [f'{rule}: {head} {value} "\\n"', *defined]
+                parts.append(rule if parameter in (schema.get("required") or ()) else f"{rule}?")
+            lines.append(f"function_{i}: {' '.join(parts)} {literal(FUNCTION_CLOSE)}")
+        return "\n".join(lines)
 
     def read_call(self, text: str, final: bool):
         close = CLOSE if text.startswith(OPEN) else FUNCTION_CLOSE
@@ -66,6 +100,41 @@ class Qwen3CoderParser(ToolParser):
             out[name] = typed(value, properties.get(name))
             at = match.end()
         return out if not body[at:].strip() else None
+
+
+def value_rules(rule: str, schema: dict | None, strict: bool) -> tuple[str, list[str]]:
+    """A parameter's value as typed() reads it back: (the Lark that spells it and the `\\n</parameter>` after it,
+    the rules that needs)."""
+    kind, close = schema_type(schema), literal("\n" + PARAMETER_CLOSE)
+    schema = schema if isinstance(schema, dict) else {}
+    if kind == "boolean":  # Qwen's template renders Python's booleans
+        words = ["true", "false", "True", "False"] + (["null"] if "null" in (schema.get("type") or ()) else [])
+        return f"{rule} {close}", [f"{rule}: " + " | ".join(map(literal, words))]
+    if kind not in (None, "string"):
+        return f"{rule} {close}", [json_rule(rule, schema, strict)]
+    choices = [v for v in schema.get("enum", [schema["const"]] if "const" in schema else []) if isinstance(v, str)]
+    if choices:  # as raw text
+        return f"{rule} {close}", [f"{rule}: " + " | ".join(map(literal, choices))]
+    bounds = []
+    if "minLength" in schema or "maxLength" in schema:
+        bounds.append(f"/(?s:.){{{schema.get('minLength', 0)},{schema.get('maxLength', '')}}}/")
+    if isinstance(schema.get("pattern"), str):
+        bounds.append(search_regex(schema["pattern"]))
+    if bounds:
+        text = rule.upper()
+        return rule, [f"{text}: VALUE & {' & '.join(bounds)}", text_until(rule, text, "\n" + PARAMETER_CLOSE, {})]
+    return "text_value", []
+
+
+def search_regex(pattern: str) -> str:
+    """A JSON Schema `pattern` (it matches anywhere in the string unless anchored) as a Lark regex of the whole
+    string (llguidance's regexes take no anchors)."""
+    body, head, tail = llguidance.regex_to_lark(pattern, "dw"), ANY, ANY  # JSON Schema's \d and \w: ASCII
+    if body.startswith("^"):
+        body, head = body[1:], ""
+    if body.endswith("$") and not body.endswith("\\$"):
+        body, tail = body[:-1], ""
+    return f"/{head}({body}){tail}/"
 
 
 def closed(text: str) -> str:

@@ -5,7 +5,10 @@ and only `</think>` shows: `inside=True`. A reply that ends before `</think>` (m
 whitespace the model writes around the reasoning and before the answer is dropped."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fastdecode.server.formats.base import Event, partial_marker
+from fastdecode.server.formats.lark import GAP, marker, regex_escape, text_terminal, text_until
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -66,3 +69,14 @@ class ReasoningParser:
         if self.answer is not None:
             return self.answer.feed(text)
         return [("content", text)] if text else []
+
+
+def reasoning_grammar(reasoning: str | None, added_tokens: Mapping[str, int]) -> tuple[list[str], tuple[str, ...]]:
+    """Lark rules of `start`: the reasoning `reasoning` asks for (formats.reasoning_in), then the rule `answer`; and
+    the regexes the answer's free text must not open with (text opening with `<think>` is read as reasoning)."""
+    if reasoning is None:
+        return ["start: answer"], ()
+    thought = [text_terminal("THOUGHT", [CLOSE]), text_until("thought", "THOUGHT", CLOSE, added_tokens)]
+    if reasoning == "inside":
+        return [*thought, f"start: thought {GAP} answer"], ()
+    return [*thought, f"start: ({marker(OPEN, added_tokens)} thought {GAP})? answer"], (r"\s*" + regex_escape(OPEN),)

@@ -41,8 +41,10 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
                                                                         "function": {"name": choice.name}}
     if body.text is not None and body.text.format is not None:
         fmt = body.text.format
-        fields["response_format"] = {"type": fmt.type, **({"json_schema": {"schema": fmt.schema_}}
-                                                          if fmt.type == "json_schema" else {})}
+        schema = {"name": fmt.name or "output", "schema": fmt.schema_, "strict": fmt.strict}
+        fields["response_format"] = {"type": fmt.type, **({"json_schema": schema} if fmt.type == "json_schema" else {})}
+    if body.parallel_tool_calls is not None:
+        fields["parallel_tool_calls"] = body.parallel_tool_calls
     return as_chat_request(fields)
 
 

@@ -95,7 +95,9 @@ class NamedFunction(Lenient):
 
 class TextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
-    schema_: dict[str, Any] | None = Field(None, alias="schema")  # json_schema: its top-level keys are enforced
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # json_schema: the output follows it
+    name: str | None = None
+    strict: bool | None = None  # False: keywords the grammar does not implement are ignored, not refused
 
 
 class TextConfig(Lenient):
