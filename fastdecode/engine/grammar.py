@@ -88,8 +88,11 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{what} is longer than {MAX_SOURCE_CHARS:,} characters")
         eos = tuple(self.tokenizer.eos_token_ids if eos is None else eos)
         # Compiling drops the GIL; LIMITS bound its work.
-        matcher = llguidance.LLMatcher(self.vocabulary(eos), grammar, log_level=0,
-                                       limits=llguidance.LLParserLimits(**LIMITS))
+        try:
+            matcher = llguidance.LLMatcher(self.vocabulary(eos), grammar, log_level=0,
+                                           limits=llguidance.LLParserLimits(**LIMITS))
+        except UnicodeError:  # a lone surrogate, which JSON can spell
+            raise InvalidRequestError(f"{what} is not valid Unicode: it holds a lone surrogate") from None
         if matcher.is_error():
             raise InvalidRequestError(f"{what}: {one_line(matcher.get_error())}")
         return matcher

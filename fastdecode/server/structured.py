@@ -27,14 +27,24 @@ def output_grammar(body) -> tuple[str, str] | None:
     asked = []
     fmt = body.response_format
     if fmt is not None and fmt.type != "text":
-        asked.append((response_format_grammar(fmt), "response_format"))
+        asked.append((built(response_format_grammar, fmt, "response_format"), "response_format"))
     if body.structured_outputs is not None:
-        asked.append((structured_outputs_grammar(body.structured_outputs), "structured_outputs"))
+        asked.append((built(structured_outputs_grammar, body.structured_outputs, "structured_outputs"),
+                      "structured_outputs"))
     if body.grammar is not None:
-        asked.append((lark_grammar(gbnf_as_lark(body.grammar)), "grammar"))
+        asked.append((built(lambda text: lark_grammar(gbnf_as_lark(text)), body.grammar, "grammar"), "grammar"))
     if len(asked) > 1:
         raise ApiError(400, f"{asked[0][1]} and {asked[1][1]} both constrain the output: give one", asked[1][1])
     return asked[0] if asked else None
+
+
+def built(make, spec, param: str) -> str:
+    """make(spec), a grammar; text that is not Unicode (JSON can spell a lone surrogate, which llguidance cannot
+    take) is a 400 naming `param`."""
+    try:
+        return make(spec)
+    except UnicodeError:
+        raise ApiError(400, f"{param} is not valid Unicode: it holds a lone surrogate", param) from None
 
 
 def response_format_grammar(fmt) -> str:
@@ -64,5 +74,7 @@ def gbnf_as_lark(text: str) -> str:
         return any_to_lark(text)
     except GbnfToLarkError as e:
         raise ApiError(400, f"the grammar cannot be read: {' '.join(str(e).split())}", "grammar") from None
-    except (RecursionError, ValueError, IndexError) as e:
+    except UnicodeError:
+        raise
+    except Exception as e:  # the converter is Python over untrusted text: whatever it trips on, the grammar is bad
         raise ApiError(400, f"the grammar cannot be read: {type(e).__name__}", "grammar") from None
