@@ -33,7 +33,7 @@ import jsonschema
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import command_line, markdown_table, write_json  # noqa: E402
+from bench.common import command_line, machine, markdown_table, write_json  # noqa: E402
 
 SUITE = ROOT / "tests" / "data" / "schema_suite.jsonl"
 OUTCOMES = ("valid", "invalid", "length", "error")
@@ -210,9 +210,12 @@ def markdown(result: dict) -> str:
     tokens = [r["completion_tokens"] for r in result["replies"] if r["completion_tokens"] is not None]
     headers = ["", "schemas", *OUTCOMES, "valid %"]
     dirty = " (with uncommitted changes)" if result["dirty"] else ""
+    host = result.get("machine")
+    load = f"; load average {host['load_avg_1m_at_start']:.1f} at the start on {host['cores']} cores" if host else ""
     setup = (f"Tree `{result['tree']}` at commit `{result['commit'][:10]}`{dirty}; model {result['model']}, "
              f"max_tokens {result['max_tokens']}, temperature {result['temperature']}, {result['in_flight']} "
-             f"requests in flight, {result['wall_s']:.0f} s in all, {sum(tokens)} completion tokens.")
+             f"requests in flight, {result['wall_s']:.0f} s in all, {sum(tokens)} completion tokens{load}. "
+             f"{result.get('note', '')}").strip()
     legend = ("*valid*: parses and passes `jsonschema` (Draft 2020-12, formats checked); *length*: not valid, cut "
               "after max_tokens tokens; *invalid*: not valid otherwise; *error*: no reply, or the server's request "
               "timeout ended it.")
@@ -272,12 +275,14 @@ def main():
     parser.add_argument("--limit", type=int, default=None, help="only the first N schemas (a smoke run)")
     parser.add_argument("--suite", type=Path, default=SUITE)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--note", default="", help="a sentence for the report (what else ran on the machine)")
     args = parser.parse_args()
 
     tree = args.tree.resolve()
     entries = load_suite(args.suite)[:args.limit]
-    result = {"label": args.label, "command": command_line(), "tree": str(tree), **tree_state(tree),
-              "max_tokens": args.max_tokens, "temperature": args.temperature, "in_flight": args.in_flight}
+    result = {"label": args.label, "command": command_line(), "machine": machine(), "note": args.note,
+              "tree": str(tree), **tree_state(tree), "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "in_flight": args.in_flight}
     with contextlib.ExitStack() as stack:
         base_url, api_key = args.base_url, args.api_key
         if args.start_server:
