@@ -102,6 +102,8 @@ def judge(reply: dict, mode: str, extra: dict, max_tokens: int) -> tuple[str, st
     message, finish = choice["message"], choice["finish_reason"]
     if reply["usage"]["completion_tokens"] >= max_tokens:
         finish = "length"
+    if finish == "length":  # a call the cut closed early may hold a value the grammar had not yet ended
+        return "length", ""
     calls = message.get("tool_calls") or []
     for call in calls:
         name = call["function"]["name"]
@@ -111,8 +113,6 @@ def judge(reply: dict, mode: str, extra: dict, max_tokens: int) -> tuple[str, st
             jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[name])
         except (ValueError, jsonschema.ValidationError) as e:
             return "broken", f"{name}: {str(e).splitlines()[0]}"
-    if finish == "length":
-        return "length", ""
     if mode in ("required", "named"):
         if not calls or (message.get("content") or "").strip():
             return "broken", f"forced, but {len(calls)} calls and text {message.get('content')!r:.80}"

@@ -144,7 +144,8 @@ def test_a_long_prefill_reports_its_progress_until_the_first_token(smollm2_path)
     first = next(chunks)
     assert first.token_ids and reports[-1] == (3500, 3500)  # the last report: done, at the first token
     during = [done for done, _ in reports[:-1]]
-    assert len(during) >= 2 and during == sorted(during) and 0 < during[-1] < 3500
+    # A poll may land between the last chunk's step and its token's arrival, and see every token done.
+    assert len([d for d in during if 0 < d < 3500]) >= 2 and during == sorted(during) and during[-1] <= 3500
     assert all(total == 3500 for _, total in reports)
     list(chunks)
     assert len(reports) == len(during) + 1  # nothing after the first token

@@ -16,8 +16,8 @@ WEATHER_TOOL = {"type": "function", "function": {
                                           "required": ["city"]}}}
 CASES = {
     "chat": dict(messages=REPEAT, max_tokens=48),
-    "json": dict(messages=[{"role": "user", "content": "A JSON object listing three colours."}], max_tokens=96,
-                 response_format={"type": "json_object"}),
+    "json": dict(messages=[{"role": "user", "content": "A JSON object with the name and age of Ada Lovelace."}],
+                 max_tokens=96, response_format={"type": "json_object"}),
     "tool call": dict(messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=64,
                       tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False),
     "logprobs": dict(messages=REPEAT, max_tokens=24, logprobs=True, top_logprobs=2),

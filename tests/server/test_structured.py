@@ -68,6 +68,8 @@ def test_completions_take_the_same_constraints(server):
     ({"response_format": {"type": "grammar", "grammar": "start: missing_rule"}}, "response_format", "missing_rule"),
     ({"response_format": {"type": "regex", "regex": "(unclosed"}}, "response_format", "regex"),
     ({"grammar": "root ::= ((("}, "grammar", "grammar"),
+    ({"grammar": "\n".join(f'r{i} ::= r{i + 1} "x"' for i in range(1001)) + '\nr1001 ::= "y"\nroot ::= r0'},
+     "grammar", "at most 1,000"),
     ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "grammar", "both"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"type": "strin"}}}}}], "tool_choice": "required"},

@@ -115,14 +115,15 @@ def value_rules(rule: str, schema: dict | None, strict: bool) -> tuple[str, list
     choices = [v for v in schema.get("enum", [schema["const"]] if "const" in schema else []) if isinstance(v, str)]
     if choices:  # as raw text
         return f"{rule} {close}", [f"{rule}: " + " | ".join(map(literal, choices))]
-    bounds = []
-    if "minLength" in schema or "maxLength" in schema:
-        bounds.append(f"/(?s:.){{{schema.get('minLength', 0)},{schema.get('maxLength', '')}}}/")
+    # minLength/maxLength are left to the tool: a count intersected with VALUE's negation costs llguidance's lexer a
+    # derivative per (length, tag prefix) state, and past "</parameter" in a value of maxLength 60 one mask took more
+    # than its per-token fuel (the request then failed: 4 of 100 forced Qwen3-Coder calls in bench/tool_calls.py);
+    # at maxLength 1000 ten times that fuel did not do. (A rule's max_tokens is no bound either: at its limit
+    # llguidance ends the rule where it stands, without the closing tag.) A pattern is intersected as it is.
     if isinstance(schema.get("pattern"), str):
-        bounds.append(search_regex(schema["pattern"]))
-    if bounds:
         text = rule.upper()
-        return rule, [f"{text}: VALUE & {' & '.join(bounds)}", text_until(rule, text, "\n" + PARAMETER_CLOSE, {})]
+        return rule, [f"{text}: VALUE & {search_regex(schema['pattern'])}",
+                      text_until(rule, text, "\n" + PARAMETER_CLOSE, {})]
     return "text_value", []
 
 
@@ -140,8 +141,8 @@ def search_regex(pattern: str) -> str:
 def closed(text: str) -> str:
     """A call cut by the end of the reply, with the closing tags it lacks: `</parameter>` if a value is open,
     `</function>` if a function is."""
-    if text.rfind(PARAMETER_OPEN) > text.rfind(PARAMETER_CLOSE):
-        text += "\n" + PARAMETER_CLOSE
+    if text.rfind(PARAMETER_OPEN) > text.rfind(PARAMETER_CLOSE):  # a cut right after the value's newline: add none
+        text += ("" if text.endswith("\n") else "\n") + PARAMETER_CLOSE
     if text.rfind(FUNCTION_OPEN) > text.rfind(FUNCTION_CLOSE):
         text += "\n" + FUNCTION_CLOSE
     return text

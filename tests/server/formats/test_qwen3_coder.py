@@ -52,8 +52,9 @@ def test_two_calls_and_a_bare_function_block():
                                              ("tool_call", ("write_file", {"path": "a"}))]
 
 
-def test_call_cut_by_the_end_of_the_reply_still_counts():
-    text = "<tool_call>\n<function=write_file>\n<parameter=path>\nb.txt"
+@pytest.mark.parametrize("end", ["", "\n"])  # cut inside the value, or after the newline that ends it
+def test_call_cut_by_the_end_of_the_reply_still_counts(end):
+    text = "<tool_call>\n<function=write_file>\n<parameter=path>\nb.txt" + end
     assert run_every_split(parser, text) == [("tool_call", ("write_file", {"path": "b.txt"}))]
 
 
@@ -87,3 +88,22 @@ def test_malformed_call_is_content_unchanged(text):
 def test_values_take_the_schemas_type(value, schema, expected):
     got = typed(value, schema)
     assert got == expected and type(got) is type(expected)
+
+
+def test_a_bounded_value_that_spells_a_closing_tag_leaves_the_lexer_within_its_budget(smollm2_path):
+    """A maxLength value intersected with the tags' exclusion ran out of llguidance's per-token lexer fuel once the
+    value read "</parameter" (the request failed); the bound is now left to the tool."""
+    from fastdecode.engine.grammar import GrammarCompiler, lark_grammar
+    from fastdecode.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_path)
+    tools = {"search": {"type": "object", "properties": {"query": {"type": "string", "maxLength": 200}},
+                        "required": ["query"]}}
+    matcher = GrammarCompiler(tokenizer).matcher(lark_grammar(Qwen3CoderParser.call_grammar(tools, forced=True)))
+    text = "<tool_call>\n<function=search>\n<parameter=query>\n</parameter"
+    for token in tokenizer.backend.encode(text, add_special_tokens=False).ids:
+        matcher.compute_bitmask()
+        assert not matcher.is_error(), matcher.get_error()
+        assert matcher.consume_token(token)
+    matcher.compute_bitmask()
+    assert not matcher.is_error(), matcher.get_error()
