@@ -5,7 +5,9 @@ time goes (matmuls, attention, the rest).
     .venv/bin/python bench/prefill.py                                   # 1.5B and 8B shapes, Q4_0, 512 .. 8k tokens
     .venv/bin/python bench/prefill.py --shapes qwen2.5-coder-1.5b --lengths 512 --runs 1 --peers ''   # a smoke run
     .venv/bin/python bench/prefill.py --shapes llama-3.1-8b --types Q4_0,Q4_K --lengths 2048
-    .venv/bin/python bench/prefill.py --shapes qwen2.5-coder-1.5b --lengths 512,2048,8192,32768 --runs 1
+    .venv/bin/python bench/prefill.py --shapes qwen2.5-coder-1.5b --lengths 512,2048,8192,32000 --runs 1   # not 32768:
+                                                                    # the 32k context must hold one more token
+    .venv/bin/python bench/prefill.py --baseline-env FASTDECODE_BF16_ATTENTION=0 --peers ''   # A/B a kernel switch
 
 The files are bench/shapes.py's random-weight GGUFs of real shapes (speed depends on shapes and bytes, not values).
 Each run of an engine is a fresh process that loads the file, prefills a 64-token prompt to warm up, then each length
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -90,9 +93,12 @@ def child_llama_cpp(path: str, lengths: list[int], seed: int, threads: int) -> d
 
 
 def in_child(engine: str, path: Path, lengths: list[int], seed: int, threads: int) -> dict:
-    argv = [sys.executable, __file__, "--child", engine, "--file", str(path), "--lengths", ",".join(map(str, lengths)),
+    """engine: "fastdecode", "llama.cpp", or "fastdecode VAR=VALUE" (fastdecode with that environment variable)."""
+    name, _, setting = engine.partition(" ")
+    env = dict(os.environ, **dict([setting.split("=", 1)])) if setting else None
+    argv = [sys.executable, __file__, "--child", name, "--file", str(path), "--lengths", ",".join(map(str, lengths)),
             "--seed", str(seed), "--threads", str(threads)]
-    done = subprocess.run(argv, capture_output=True, text=True)
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{engine} on {path.name} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.splitlines()[-1])
@@ -122,10 +128,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qwen2.5-coder-1.5b,llama-3.1-8b", help=f"of {', '.join(SHAPES)}")
     p.add_argument("--types", default="Q4_0", help="GGUF file types (bench/shapes.py): Q4_0, Q8_0, Q4_K, MXFP4")
-    p.add_argument("--lengths", default="512,2048,8192", help="prompt tokens (32768 takes minutes a run)")
+    p.add_argument("--lengths", default="512,2048,8192",
+                   help="prompt tokens (32000 takes minutes a run; the context must hold one token more)")
     p.add_argument("--runs", type=int, default=2, help="rounds; each runs every engine once per file")
     p.add_argument("--peers", default="llama.cpp", help="'llama.cpp' (llama-cpp-python, `make bench-deps`) or ''")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--baseline-env", default="", help="VAR=VALUE: also run fastdecode with it set, alternating "
+                   "(an A/B of a kernel switch, e.g. FASTDECODE_BF16_ATTENTION=0)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prefill")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--file", help=argparse.SUPPRESS)
@@ -137,7 +146,8 @@ def main():
         print(json.dumps(run(args.file, lengths, args.seed, args.threads)))
         return
 
-    engines = ["fastdecode"] + (["llama.cpp"] if "llama.cpp" in args.peers.split(",") else [])
+    engines = (["fastdecode"] + ([f"fastdecode {args.baseline_env}"] if args.baseline_env else [])
+               + (["llama.cpp"] if "llama.cpp" in args.peers.split(",") else []))
     if "llama.cpp" in engines and not have_llama_cpp():
         sys.exit("llama-cpp-python is not installed: `make bench-deps`, or --peers ''")
     files = [(shape, qtype, shape_file(shape, qtype, print)) for shape in args.shapes.split(",") if shape
@@ -162,7 +172,7 @@ def main():
                 speeds = stats([run["lengths"][str(n)]["tok_s"] for run in runs])
                 res.setdefault("summary", {}).setdefault(engine, {})[n] = speeds
                 split = ""
-                if engine == "fastdecode":
+                if engine.startswith("fastdecode"):
                     parts = {k: np.median([run["lengths"][str(n)][k] for run in runs])
                              for k in ("ttft_s", "matmul_s", "attention_s", "other_s", "outside_s")}
                     split = " / ".join(f"{100 * parts[k] / parts['ttft_s']:.0f}"

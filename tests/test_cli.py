@@ -86,7 +86,7 @@ def test_the_speed_tables_prefill_ceiling_is_its_flops_at_the_matrix_peak_or_one
     from fastdecode.roofline.models import get_model
 
     spec = get_model(str(smollm2_path))
-    llm = SimpleNamespace(path=smollm2_path, quant="gguf")
+    llm = SimpleNamespace(path=smollm2_path, quant="gguf", decode_path="native")
     peaks = {"fp32": 0.1, "bf16": 0.2, "int8": 0.8}
     t = Timings(prompt_tokens=2000, cached_tokens=500, prefill_s=1.5)  # 1,000 computed tokens a second
     rows = dict(prefill_rows(llm, t, peaks, read_s=0.001))
@@ -96,6 +96,8 @@ def test_the_speed_tables_prefill_ceiling_is_its_flops_at_the_matrix_peak_or_one
     assert rows["share of prefill ceiling"].startswith(f"{100 * 1000 / ceiling:.0f}% (")
     short = dict(prefill_rows(llm, Timings(prompt_tokens=7, prefill_s=0.1), peaks, read_s=0.05))
     assert short["prefill ceiling"] == "140 tok/s (memory-bound)"  # 7 tokens in one 50 ms read of the weights
-    floats = dict(prefill_rows(SimpleNamespace(path=smollm2_path, quant=None), t, peaks, read_s=0.001))
+    floats = dict(prefill_rows(SimpleNamespace(path=smollm2_path, quant=None, decode_path="pytorch"), t, peaks,
+                               read_s=0.001))
+    assert floats["share of prefill ceiling"].endswith("float32 prompt attention)")
     assert floats["matrix peak (probe)"] == "200 GFLOP/s bf16"
     assert prefill_rows(llm, t, {}, read_s=0.001) == []  # no probe figure, no row

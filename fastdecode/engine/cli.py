@@ -223,9 +223,12 @@ def prefill_rows(llm, t: Timings, matmul_tflops: dict, read_s: float) -> list[tu
     ops = native_ops()
     path = "float" if not integer else "AMX tiles" if ops is not None and ops.amx_int8_ready() else {
         "avx512": "AVX-512 VNNI", "avx2": "AVX2"}.get(kernel_isa(), kernel_isa())
+    bf16 = (llm.decode_path == "native" and ops is not None and ops.bf16_prompt_attention()
+            and spec.heads_dim % 32 == 0)
     return [("matrix peak (probe)", f"{tflops * 1e3:,.0f} G{'OP' if integer else 'FLOP'}/s {precision}"),
             ("prefill ceiling", f"{ceiling:,.0f} tok/s ({bound}-bound)"),
-            ("share of prefill ceiling", f"{100 * t.prefill_tok_s / ceiling:.0f}% ({path} kernels)")]
+            ("share of prefill ceiling", f"{100 * t.prefill_tok_s / ceiling:.0f}% ({path} kernels, "
+                                         f"{'bf16' if bf16 else 'float32'} prompt attention)")]
 
 
 @click.command()

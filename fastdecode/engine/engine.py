@@ -146,6 +146,7 @@ class Engine:
     def _batch(self, work: list[Work]) -> tuple[Batch, list[int]]:
         """The step's rows, and which of them need logits."""
         tokens, positions, slots, seq_rows, context, masks, logit_rows = [], [], [], [0], [], [], []
+        prompt_end = [len(w.seq.prompt_ids) for w in work]
         for w in work:
             seq, start = w.seq, w.seq.num_computed
             if w.draft is None:
@@ -172,7 +173,7 @@ class Engine:
             for (r0, r1), m in zip(zip(seq_rows, seq_rows[1:]), masks):
                 tree_mask[r0:r1, r0:r1] = m if m is not None else torch.ones(r1 - r0, r1 - r0, dtype=torch.bool).tril()
         batch = Batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), torch.tensor(seq_rows),
-                      torch.tensor(context), tables, self.kv.block_size, tree_mask)
+                      torch.tensor(context), tables, self.kv.block_size, tree_mask, torch.tensor(prompt_end))
         return batch, logit_rows
 
     def _postprocess(self, work: list[Work], logits: torch.Tensor | None, seconds: float):

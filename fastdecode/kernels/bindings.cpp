@@ -17,13 +17,15 @@ bool amx_int8_ready();
 
 at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
                          const at::Tensor& slots, const at::Tensor& seq_rows, const at::Tensor& context,
-                         const at::Tensor& block_table, int64_t block_size, const at::Tensor& tree_mask,
+                         const at::Tensor& prompt_end, const at::Tensor& block_table, int64_t block_size,
+                         const at::Tensor& tree_mask,
                          const at::Tensor& rope_global, const at::Tensor& rope_local, const std::vector<int64_t>& windows,
                          int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu,
                          double swiglu_limit, double swiglu_alpha, int64_t top_k, bool norm_topk,
                          bool softmax_after_topk);
 
 std::vector<double> forward_profile(bool reset);
+bool bf16_prompt_attention();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W 8-bit packed (N/4, K/32, 144) with fp16 block scales and offsets, or Q8_0 pair tiles (N/4, K/64, 272)");
@@ -50,6 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_batch", &forward_batch, py::call_guard<py::gil_scoped_release>(),
         "the new rows of a batch of sequences (decode steps, prompt chunks, draft trees) through every layer over a "
         "paged KV cache (see decode_step.cpp)");
+  m.def("bf16_prompt_attention", &bf16_prompt_attention,
+        "whether forward_batch computes prompt rows' attention with bf16 products (AVX512-BF16, the AVX-512 build, "
+        "FASTDECODE_BF16_ATTENTION not 0) where the head size is a multiple of 32");
   m.def("forward_profile", &forward_profile, py::arg("reset") = false,
         "forward_batch's (calls, rows, matmul s, attention s, total s) since the last reset (the rest: norms, rotary, "
         "cache writes, activations, residuals)");

@@ -11,6 +11,7 @@
 
 #include <immintrin.h>
 
+#include "attention_bf16.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -88,44 +89,7 @@ using fastdecode::vset1;
 using fastdecode::vstore;
 using fastdecode::VW;
 using fastdecode::vzero;
-
-// e^x for x in [-87, 88] (where 2^n stays a normal float), as in Cephes' expf: 2^n * p(r) with r = x - n ln 2,
-// |error| about 1 ulp. std::exp per element cost more than the arithmetic around it (attention scores, the MLP's
-// activation).
-inline __m256 exp_in_range(__m256 x) {
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-#ifdef __AVX512F__
-// exp_in_range on 16 lanes: the same operations, so each lane's result is the same bits.
-inline __m512 exp_in_range(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-#endif
+using fastdecode::exp_in_range;
 
 // e^x for x <= 0 (scores minus their maximum): e^-87 is 0 next to the maximum's 1.
 inline __m256 exp_nonpositive(__m256 x) { return exp_in_range(_mm256_max_ps(x, _mm256_set1_ps(-87.0f))); }
@@ -319,6 +283,10 @@ struct Visible {
   int64_t first, last, tail_at;
   std::vector<int64_t> tail;
   int64_t end() const { return tail.empty() ? last : tail_at + static_cast<int64_t>(tail.size()); }
+  // Whether the keys are one run of positions, [start(), end()): always so for a causal chain's rows, whose new
+  // tokens sit at the table's slots for their positions.
+  bool contiguous() const { return first == last || tail.empty() || last == tail_at; }
+  int64_t start() const { return first < last ? first : tail_at; }
 };
 
 // One sequence's rows [r0, r1) of the batch, with ctx tokens already in the cache and its block table.
@@ -523,6 +491,43 @@ void attend_plain(const std::vector<const float*>& q, const std::vector<float*>&
   }
 }
 
+#ifdef __AVX512F__
+// Prompt rows' queries q[i] of one sequence and KV group (seeing seen[i], one run of positions each) over chunks
+// [c0, c1) with bf16 products (attention_bf16.h): emit(i, c, partial) as attend_chunks does. Each chunk's keys that
+// any of the queries sees are rounded once for all of them.
+template <typename KV, typename Emit>
+void attend_prompt(const std::vector<const float*>& q, const std::vector<const Visible*>& seen, const KV* k,
+                   const KV* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale, int64_t c0, int64_t c1,
+                   Emit emit) {
+  const int64_t n = q.size();
+  fastdecode::PromptAttention queries(q.data(), n, hd, scale);
+  std::vector<int64_t> a(n), e(n), slots(KEY_CHUNK);
+  std::vector<float> parts(n * (hd + 2));
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t lo = c * KEY_CHUNK, hi = lo + KEY_CHUNK;
+    int64_t first = hi, end = lo;
+    for (int64_t i = 0; i < n; ++i) {
+      a[i] = std::max(lo, seen[i]->start()), e[i] = std::min(hi, seen[i]->end());
+      if (a[i] < e[i]) first = std::min(first, a[i]), end = std::max(end, e[i]);
+    }
+    if (first >= end) continue;
+    // Whole 16s of positions from x0 (lo is a multiple of 16); positions no query sees are zeros, never read.
+    const int64_t x0 = first & ~int64_t(15), x1 = (end + 15) & ~int64_t(15);
+    for (int64_t x = x0; x < x1; ++x) slots[x - x0] = first <= x && x < end ? physical(sr, block_size, x) : -1;
+    queries.pack(k, v, slots.data(), x1 - x0);
+    for (int64_t i = 0; i < n; ++i) {
+      if (a[i] >= e[i]) a[i] = e[i] = 0;
+      else a[i] -= x0, e[i] -= x0;
+    }
+    queries.chunk(a.data(), e.data(), parts.data());
+    for (int64_t i = 0; i < n; ++i) {
+      float* part = parts.data() + i * (hd + 2);
+      if (part[1] > 0) emit(i, c, Partial{part[0], part[1], part + 2});
+    }
+  }
+}
+#endif
+
 // Queries q (R, H, hd) of the new rows of every sequence against the cache k, v (K, slots, hd) -> out (R, H, hd).
 // Work items run in parallel, each one KV group's queries of one sequence:
 // - a sequence of few rows (decode, verify): all its queries of the group over all their chunks, the group's keys read
@@ -530,13 +535,21 @@ void attend_plain(const std::vector<const float*>& q, const std::vector<float*>&
 //   item instead, its partials kept and folded by the item that finishes the group's last chunk;
 // - a prompt chunk: runs of its (token, head) queries over all their chunks, at least three items per thread.
 // Every way folds the same partials in the same order: a query's result does not depend on the batch or the threads.
+// Prompt rows (a position below its sequence's prompt_end; prompt_end null: none) take attend_prompt's bf16 products
+// where the CPU has them, wherever they fall; generated rows (decode, verify) always take the float kernel.
 template <typename KV>
 void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, int64_t S, int64_t hd,
-               const std::vector<SeqRows>& seqs, int64_t block_size, const int64_t* positions, const int64_t* slots,
-               const bool* mask, int64_t R, int64_t window, float scale, const float* sinks, float* out) {
+               const std::vector<SeqRows>& seqs, const int64_t* prompt_end, int64_t block_size,
+               const int64_t* positions, const int64_t* slots, const bool* mask, int64_t R, int64_t window,
+               float scale, const float* sinks, float* out) {
   constexpr int64_t SPLIT_ROWS = 16;  // a sequence of up to this many rows may be split by chunk
   const int64_t group = H / K, threads = at::get_num_threads(), nseq = seqs.size();
   const bool chunked = hd % VW == 0;
+#ifdef __AVX512F__
+  const bool bf16 = hd % 32 == 0 && fastdecode::bf16_attention_ready();
+#else
+  const bool bf16 = false;
+#endif
   std::vector<Visible> seen(R);
   std::vector<std::pair<int64_t, int64_t>> chunks(nseq);  // each sequence's [c0, c1)
   int64_t work = 0, active = 0;
@@ -636,9 +649,10 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
     bin_start[1] = n_items;
   }
   at::parallel_for(0, n_bins, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<const float*> qs;
+    std::vector<const float*> qs, sub_q;
     std::vector<float*> outs;
-    std::vector<const Visible*> vis;
+    std::vector<const Visible*> vis, sub_vis;
+    std::vector<int64_t> by_kernel[2];
     std::vector<int64_t> rows, heads;
     std::vector<float> state_o, sink;
     std::vector<Partial> state;
@@ -661,13 +675,33 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
         attend_plain(qs, outs, vis, kg, vg, sr, block_size, hd, scale, sink);
         continue;
       }
-      const auto run = [&](auto emit) {
-        if (hd % (8 * VW) == 0) attend_chunks<8>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
-        else if (hd % (4 * VW) == 0) attend_chunks<4>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
-        else if (hd % (2 * VW) == 0) attend_chunks<2>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
-        else attend_chunks<1>(qs, vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, emit);
-      };
       const int64_t n = qs.size();
+      // The item's queries by kernel: prompt rows (bf16 products) and the rest (float), each list's emit mapped back.
+      by_kernel[0].clear(), by_kernel[1].clear();
+      for (int64_t i = 0; i < n; ++i)
+        by_kernel[bf16 && prompt_end && positions[rows[i]] < prompt_end[item.seq] && vis[i]->contiguous()].push_back(i);
+      const auto run = [&](auto emit) {
+        for (int kind : {0, 1}) {
+          const std::vector<int64_t>& which = by_kernel[kind];
+          if (which.empty()) continue;
+          sub_q.clear(), sub_vis.clear();
+          for (const int64_t i : which) sub_q.push_back(qs[i]), sub_vis.push_back(vis[i]);
+          const auto mapped = [&](int64_t i, int64_t c, const Partial& p) { emit(which[i], c, p); };
+#ifdef __AVX512F__
+          if (kind == 1) {
+            attend_prompt(sub_q, sub_vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, mapped);
+            continue;
+          }
+#endif
+          if (hd % (8 * VW) == 0)
+            attend_chunks<8>(sub_q, sub_vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, mapped);
+          else if (hd % (4 * VW) == 0)
+            attend_chunks<4>(sub_q, sub_vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, mapped);
+          else if (hd % (2 * VW) == 0)
+            attend_chunks<2>(sub_q, sub_vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, mapped);
+          else attend_chunks<1>(sub_q, sub_vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, mapped);
+        }
+      };
       state_o.resize(n * hd);
       state.assign(n, {0, 0, nullptr});
       for (int64_t i = 0; i < n; ++i) state[i].o = state_o.data() + i * hd;
@@ -852,7 +886,8 @@ struct Timed {  // adds the seconds from its construction to its destruction to 
 
 // x (R, D) float32 embeddings of the new rows of a batch of sequences -> (R, D) residual stream after the last layer
 // (before the final norm). Sequence b owns rows seq_rows[b]..seq_rows[b + 1], has context[b] tokens in the cache and
-// maps logical position a to slot block_table[b][a / block_size] * block_size + a % block_size; row r sits at
+// maps logical position a to slot block_table[b][a / block_size] * block_size + a % block_size, and its positions
+// below prompt_end[b] are its prompt (their attention may take bf16 products; empty: no row is); row r sits at
 // positions[r] and its keys and values are written to slot slots[r]. A sequence's rows are one decode step, a chunk
 // of its prompt, or a chain or token tree being verified (tree_mask (R, R) bool: row r sees row j of its own sequence
 // iff j is r or an ancestor; empty: every sequence's rows are a causal chain). rope_* are (2, P, hd) cos/sin tables;
@@ -861,7 +896,8 @@ struct Timed {  // adds the seconds from its construction to its destruction to 
 // (..., K, slots, hd) per layer, all float32 or all float16.
 at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
                          const at::Tensor& slots, const at::Tensor& seq_rows, const at::Tensor& context,
-                         const at::Tensor& block_table, int64_t block_size, const at::Tensor& tree_mask,
+                         const at::Tensor& prompt_end, const at::Tensor& block_table, int64_t block_size,
+                         const at::Tensor& tree_mask,
                          const at::Tensor& rope_global, const at::Tensor& rope_local, const std::vector<int64_t>& windows,
                          int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu,
                          double swiglu_limit, double swiglu_alpha, int64_t top_k, bool norm_topk,
@@ -876,6 +912,9 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
   const int64_t T = x.size(0), D = x.size(1), L = windows.size(), qn = H * hd, kn = K * hd, B = context.numel();
   for (const at::Tensor* t : {&positions, &slots, &seq_rows, &context, &block_table})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "batch index tensors must be contiguous int64");
+  TORCH_CHECK(!present(prompt_end) || (prompt_end.scalar_type() == at::kLong && prompt_end.is_contiguous() &&
+                                       prompt_end.numel() == context.numel()), "prompt_end must be (B,) int64");
+  const int64_t* PE = present(prompt_end) ? prompt_end.data_ptr<int64_t>() : nullptr;
   TORCH_CHECK(positions.numel() == T && slots.numel() == T, "positions and slots must be (R,)");
   TORCH_CHECK(seq_rows.numel() == B + 1 && block_table.dim() == 2 && block_table.size(0) == B && block_size > 0,
               "seq_rows (B + 1,), block_table (B, W)");
@@ -952,10 +991,10 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
       const Timed timed(profile.attention);
       if (half)
         attention(qs.data_ptr<float>(), static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), H, K, S,
-                  hd, seqs, block_size, P, SL, M, T, window, scale, sinks, attn.data_ptr<float>());
+                  hd, seqs, PE, block_size, P, SL, M, T, window, scale, sinks, attn.data_ptr<float>());
       else
         attention(qs.data_ptr<float>(), static_cast<const float*>(kc), static_cast<const float*>(vc), H, K, S, hd,
-                  seqs, block_size, P, SL, M, T, window, scale, sinks, attn.data_ptr<float>());
+                  seqs, PE, block_size, P, SL, M, T, window, scale, sinks, attn.data_ptr<float>());
     }
     at::Tensor o;
     {
@@ -999,6 +1038,15 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
     });
   }
   return x;
+}
+
+// Whether prompt rows' attention takes bf16 products here (attention_bf16.h; a head size that is a multiple of 32).
+bool bf16_prompt_attention() {
+#ifdef __AVX512F__
+  return fastdecode::bf16_attention_ready();
+#else
+  return false;
+#endif
 }
 
 // (forward_batch's calls, their rows, and seconds in matmuls, in attention and in all) since the last reset.

@@ -182,7 +182,7 @@ class NativeDecoder:
         T, a, m = x.shape[0], self.args, self.model
         return self.ops.forward_batch(
             x, self.weights[start * SLOTS:stop * SLOTS], positions, torch.arange(slot0, slot0 + T),
-            torch.tensor([0, T]), torch.tensor([slot0]), ZERO_TABLE, m.max_seq_len,
+            torch.tensor([0, T]), torch.tensor([slot0]), EMPTY, ZERO_TABLE, m.max_seq_len,
             EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local, a["windows"][start:stop],
             a["H"], a["K"], a["hd"], a["eps"], a["scale"], a["sandwich"], a["gelu"], a["swiglu_limit"],
             a["swiglu_alpha"], a["top_k"], a["norm_topk"], a["softmax_after_topk"])

@@ -24,6 +24,9 @@ class Batch:
     block_tables: torch.Tensor  # (B, W) int64, padded with 0
     block_size: int
     tree_mask: torch.Tensor | None = None
+    # (B,) int64: sequence b's positions below prompt_end[b] are its prompt, whose attention the native runner may
+    # compute with bf16 products (decode_step.cpp); None: every row is computed as a generated one.
+    prompt_end: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

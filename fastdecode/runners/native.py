@@ -33,6 +33,6 @@ class NativeRunner:
         a, m = self.args, self.model
         return self.ops.forward_batch(
             m.embed(batch.tokens), self.weights, batch.positions, batch.slots, batch.seq_rows, batch.context,
-            batch.block_tables, batch.block_size, EMPTY if batch.tree_mask is None else batch.tree_mask,
+            EMPTY if batch.prompt_end is None else batch.prompt_end, batch.block_tables, batch.block_size, EMPTY if batch.tree_mask is None else batch.tree_mask,
             m.rope_global, m.rope_local, a["windows"], a["H"], a["K"], a["hd"], a["eps"], a["scale"], a["sandwich"],
             a["gelu"], a["swiglu_limit"], a["swiglu_alpha"], a["top_k"], a["norm_topk"], a["softmax_after_topk"])

@@ -108,6 +108,13 @@ KQUANT_SPECS = {
                         dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=2,
                              head_dim=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True), "qwen3moe"),
 }
+# Heads of 64 (a multiple of 32): what the native prompt attention's bf16 kernel takes. A Gemma 3 whose windows of 40
+# slide across the kernel's 256-key chunks, and a Llama with grouped heads.
+WIDE_HEAD_SPECS = {
+    "gemma3_64": Spec("Gemma3ForCausalLM", "Gemma3TextConfig",
+                      dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, head_dim=64, sliding_window=40,
+                           query_pre_attn_scalar=64, rope_theta=1e6, rope_local_base_freq=10000.0), None, seed=1),
+}
 GGUF_NAME_MAPS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
                   "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "gemma3": gguf.MODEL_ARCH.GEMMA3}
 
@@ -122,7 +129,7 @@ class Checkpoint:
 
 # ---- building ------------------------------------------------------------------------------------------------
 def spec_of(name: str) -> Spec:
-    return {**SPECS, **MOE_SPECS, **KQUANT_SPECS}[name]
+    return {**SPECS, **MOE_SPECS, **KQUANT_SPECS, **WIDE_HEAD_SPECS}[name]
 
 
 def build_model(name: str) -> transformers.PreTrainedModel:

@@ -26,9 +26,10 @@ def paged(model, runner: str, blocks: int = 16, block_size: int = 8, dtype=torch
     return r, kv
 
 
-def run(runner, kv, seqs: list[tuple[BlockTable, int, list[int]]]) -> list[torch.Tensor]:
+def run(runner, kv, seqs: list[tuple[BlockTable, int, list[int]]], prompt_end: list[int] | None = None
+        ) -> list[torch.Tensor]:
     """One forward over several sequences' new tokens (table, tokens already cached, new tokens) -> each one's
-    logits (T, vocab)."""
+    logits (T, vocab). prompt_end: each sequence's prompt length (Batch.prompt_end), None: no row is a prompt's."""
     tokens, positions, slots, rows, context = [], [], [], [0], []
     for table, start, new in seqs:
         kv.reserve(table, start + len(new))
@@ -40,7 +41,8 @@ def run(runner, kv, seqs: list[tuple[BlockTable, int, list[int]]]) -> list[torch
     width = max(len(t.blocks) for t, _, _ in seqs)
     tables = torch.tensor([t.blocks + [0] * (width - len(t.blocks)) for t, _, _ in seqs])
     batch = Batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), torch.tensor(rows),
-                  torch.tensor(context), tables, kv.block_size)
+                  torch.tensor(context), tables, kv.block_size,
+                  prompt_end=None if prompt_end is None else torch.tensor(prompt_end))
     with torch.inference_mode():
         logits = runner.model.head(runner.forward(batch))
     return [logits[a:b] for a, b in zip(rows, rows[1:])]
