@@ -8,6 +8,11 @@ import stat
 from pathlib import Path
 
 
+def fastdecode_home() -> Path:
+    """The root of fastdecode's own folders: models, built kernels, weight images, logs."""
+    return Path(os.environ.get("FASTDECODE_HOME") or Path.home() / ".cache" / "fastdecode")
+
+
 class UnsafeDirError(OSError):
     """A trusted folder that is another user's, or that others can write in."""
 

@@ -1,6 +1,8 @@
 """The Python API: `LLM(model).generate(prompt, SamplingParams(...))`, `.stream(...)`, `.chat(messages)`."""
 from __future__ import annotations
 
+import asyncio
+import collections
 import gc
 import logging
 import queue
@@ -20,7 +22,7 @@ from fastdecode.engine.kv_disk import DiskTier
 from fastdecode.engine.sampling import Sampler, SamplingParams
 from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.errors import InvalidRequestError
-from fastdecode.kernels.decoder import native_decoder
+from fastdecode.runners.native_layers import native_decoder
 from fastdecode.kernels.openmp import release_openmp_workers
 from fastdecode.loading import load_model, load_tokenizer, resolve_quant
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
@@ -58,6 +60,111 @@ class StreamChunk:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None  # for token_ids, when SamplingParams.logprobs is set
     completion: Completion | None = None  # set on the last chunk
+
+
+class ChunkMaker:
+    """A request's tokens -> its chunks: the output ends at a stop token or stop string, text comes as it becomes
+    whole characters, logprobs ride along, and the last chunk carries the Completion. The blocking and the asyncio
+    streams share it."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams, stop_ids: set[int]):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop, params.keep_token_ids)
+        self.prompt_ids, self.params, self.stop_ids = prompt_ids, params, stop_ids
+        self.output: list[int] = []
+        self.finish, self.done = "length", False
+        self.sampler = self.timings = self.stats = None
+
+    def add(self, token: int, sampler, timings, stats) -> StreamChunk | None:
+        """-> the token's chunk, or None (a stop token; a stop string that ends exactly before it); sets `done` once
+        the output has ended."""
+        self.sampler, self.timings, self.stats = sampler, timings, stats
+        if token in self.stop_ids:
+            self.finish, self.done = "stop", True
+            return None
+        self.output.append(token)
+        n = len(self.output)
+        logprobs = sampler.logprobs[n - 1:n] if self.params.logprobs is not None else None
+        delta = self.detok.add(token)
+        if self.detok.stopped:
+            self.finish, self.done = "stop", True
+            if not delta:
+                return None
+        return StreamChunk(delta, [token], logprobs)
+
+    def last(self) -> StreamChunk:
+        tail = "" if self.detok.stopped else self.detok.flush()
+        logprobs = self.sampler.logprobs[:len(self.output)] if self.params.logprobs is not None else None
+        completion = Completion(self.detok.text, self.output, self.prompt_ids, self.finish,
+                                self.timings or Timings(), self.stats.as_dict() if self.stats is not None else None,
+                                logprobs)
+        return StreamChunk(tail, [], None, completion)
+
+
+def engine_tokens(seq, kind: str, value):
+    """One event from a sequence's outbox ("tokens" or "error"; not "finished") -> (token, sampler, timings, stats)
+    per token; raises the engine's exception."""
+    if kind == "error":
+        raise value
+    stats = seq.speculation.stats if seq.speculation is not None else None
+    for token in value:
+        yield token, seq.sampler, seq.timings, stats
+
+
+class EngineStream:
+    """A request on the engine read from an event loop (LLM.astream): an async iterator of its chunks."""
+
+    def __init__(self, engine: Engine, seq, maker: ChunkMaker, on_prefill=None):
+        self.engine, self.seq, self.maker, self.on_prefill = engine, seq, maker, on_prefill
+        self.ready: collections.deque[StreamChunk] = collections.deque()
+        self.ended = False
+        loop, self.posted = asyncio.get_running_loop(), asyncio.Event()
+        seq.notify = lambda: loop.call_soon_threadsafe(self.posted.set)  # (a post before this is in the outbox)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        try:
+            while not self.ready:
+                if self.ended:
+                    raise StopAsyncIteration
+                await self._next_event()
+        except BaseException:
+            self.close()  # an engine error, or the reader cancelled: the request ends
+            raise
+        return self.ready.popleft()
+
+    async def _next_event(self):
+        """Waits for the engine's next post and turns it into chunks; the last one once the output has ended."""
+        seq = self.seq
+        try:
+            kind, value = seq.outbox.get_nowait()
+        except queue.Empty:
+            self.posted.clear()
+            if seq.outbox.empty():  # a post after the clear sets it again
+                try:
+                    await asyncio.wait_for(self.posted.wait(), PROGRESS_POLL_S if self.on_prefill else None)
+                except TimeoutError:
+                    self.on_prefill(min(seq.num_computed, len(seq.prompt_ids)), len(seq.prompt_ids))
+            return
+        if self.on_prefill is not None:
+            self.on_prefill(len(seq.prompt_ids), len(seq.prompt_ids))
+            self.on_prefill = None
+        if kind != "finished":
+            for item in engine_tokens(seq, kind, value):
+                if (chunk := self.maker.add(*item)) is not None:
+                    self.ready.append(chunk)
+                if self.maker.done:
+                    break
+        if kind == "finished" or self.maker.done:
+            self.close()
+            self.ready.append(self.maker.last())
+            self.ended = True
+
+    def close(self):
+        """Ends the request in the engine unless it has finished (any thread)."""
+        if not self.seq.finished:
+            self.engine.abort(self.seq)
 
 
 def kv_budget_tokens(config, dtype: torch.dtype, kv_cache_gb: float | None = None) -> int:
@@ -244,13 +351,7 @@ class LLM:
         setting `cancel` (from another thread), within CANCEL_POLL_S and the engine's step, even mid-prefill, when
         no chunk comes to close it after. `on_prefill(done, total)`: the prompt's tokens in the cache so far, at
         least every PROGRESS_POLL_S until the first token, then once with done == total (the batching engine only)."""
-        params = params or SamplingParams()
-        prompt_ids = self.encode_prompt(prompt)
-        if len(prompt_ids) + params.max_tokens > self.max_seq_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
-                f"of {self.max_seq_len} tokens {self.context_hint()}")
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        params, prompt_ids, stop_ids = self._admit(prompt, params)
         if self.engine is None:
             tokens = self._single_request(prompt_ids, params, logits_processor, stop_ids, tenant)
             return self._chunks(tokens, prompt_ids, params, stop_ids)
@@ -260,7 +361,6 @@ class LLM:
     def _engine_tokens(self, seq, cancel: threading.Event | None = None, on_prefill=None):
         """Yields (token, sampler, timings, stats) as the engine posts them; aborts the request if closed early or
         cancelled."""
-        stats = lambda: seq.speculation.stats if seq.speculation is not None else None  # noqa: E731
         poll = CANCEL_POLL_S if cancel is not None else PROGRESS_POLL_S if on_prefill is not None else None
         try:
             while True:
@@ -275,15 +375,22 @@ class LLM:
                 if on_prefill is not None:
                     on_prefill(len(seq.prompt_ids), len(seq.prompt_ids))
                     on_prefill = None
-                if kind == "error":
-                    raise value
                 if kind == "finished":
                     return
-                for token in value:
-                    yield token, seq.sampler, seq.timings, stats()
+                yield from engine_tokens(seq, kind, value)
         finally:
             if not seq.finished:
                 self.engine.abort(seq)
+
+    def astream(self, prompt: str | list[int], params: SamplingParams | None = None, logits_processor=None,
+                salt: str = "", tenant: str | None = "",
+                on_prefill: Callable[[int, int], None] | None = None) -> "EngineStream":
+        """stream() for an asyncio consumer (call it on the event loop), on the engine: the engine's thread wakes the
+        loop when it posts, and no thread waits on the request. Its close() (a client that left, a time limit) ends
+        the request in the engine at its next step, even mid-prefill; so does cancelling the task that reads it."""
+        params, prompt_ids, stop_ids = self._admit(prompt, params)
+        seq = self.engine.add_request(prompt_ids, params, logits_processor, stop_ids, salt, tenant)
+        return EngineStream(self.engine, seq, ChunkMaker(self.tokenizer, prompt_ids, params, stop_ids), on_prefill)
 
     def _single_request(self, prompt_ids, params, logits_processor, stop_ids, tenant):
         """The single-request loop over the model's static cache (tensor parallelism, model drafters)."""
@@ -299,31 +406,28 @@ class LLM:
             for token in tokens:
                 yield token, sampler, timings, stats
 
+    def _admit(self, prompt, params: SamplingParams | None) -> tuple[SamplingParams, list[int], set[int]]:
+        """-> the request's params, prompt ids and stop ids; InvalidRequestError if it cannot fit the context."""
+        params = params or SamplingParams()
+        prompt_ids = self.encode_prompt(prompt)
+        if len(prompt_ids) + params.max_tokens > self.max_seq_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {self.max_seq_len} tokens {self.context_hint()}")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        return params, prompt_ids, stop_ids
+
     def _chunks(self, tokens, prompt_ids, params, stop_ids) -> Iterator[StreamChunk]:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.keep_token_ids)
-        output, finish = [], "length"
-        sampler = timings = stats = None
+        maker = ChunkMaker(self.tokenizer, prompt_ids, params, stop_ids)
         try:
-            for token, sampler, timings, stats in tokens:
-                if token in stop_ids:
-                    finish = "stop"
+            for item in tokens:
+                if (chunk := maker.add(*item)) is not None:
+                    yield chunk
+                if maker.done:
                     break
-                output.append(token)
-                logprobs = sampler.logprobs[len(output) - 1:len(output)] if params.logprobs is not None else None
-                delta = detok.add(token)
-                if detok.stopped:
-                    finish = "stop"
-                    if delta:
-                        yield StreamChunk(delta, [token], logprobs)
-                    break
-                yield StreamChunk(delta, [token], logprobs)
         finally:
             tokens.close()  # ends the request: the engine frees its blocks, the single-request loop its lock
-        tail = "" if detok.stopped else detok.flush()
-        completion = Completion(detok.text, output, prompt_ids, finish, timings or Timings(),
-                                stats.as_dict() if stats is not None else None,
-                                sampler.logprobs[:len(output)] if params.logprobs is not None else None)
-        yield StreamChunk(tail, [], None, completion)
+        yield maker.last()
 
     def generate(self, prompts: str | list[int] | list[str], params: SamplingParams | None = None):
         """One prompt (text or token ids) -> Completion; a list of text prompts -> list of Completion (submitted

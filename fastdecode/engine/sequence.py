@@ -7,6 +7,7 @@ import itertools
 import queue
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from fastdecode.engine.generate import Timings
 from fastdecode.engine.kv_cache import BlockTable
@@ -41,6 +42,7 @@ class Sequence:
     first_token: float | None = None
     speculation: object | None = None  # speculative.batch.SequenceDrafts when the engine speculates
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    notify: Callable[[], None] | None = None  # called after each post: an asyncio reader's wake-up (LLM.astream)
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -61,3 +63,8 @@ class Sequence:
     def post(self, kind: str, value=None):
         """("tokens", [ids]), then one of ("finished", reason) or ("error", exception)."""
         self.outbox.put((kind, value))
+        if self.notify is not None:
+            try:
+                self.notify()
+            except RuntimeError:  # the reader's event loop is closed: nobody is left to wake
+                pass

@@ -86,10 +86,9 @@ def build(name: str, sources: list[Path], fallback: str, isa: str = "avx2"):
     try:
         if not native_enabled():
             raise NativeBuildError("native kernels are off (FASTDECODE_NATIVE_KERNELS=0) or the CPU lacks AVX2")
-        from fastdecode.loading.catalog import fastdecode_home
-
         flags, module = ISA_FLAGS[isa], f"{name}_{isa}"
-        directory = private_dir(fastdecode_home() / "kernels" / f"{module}-{build_key(sources, flags + LDFLAGS)}")
+        home = private_files.fastdecode_home()
+        directory = private_dir(home / "kernels" / f"{module}-{build_key(sources, flags + LDFLAGS)}")
         # The key names these sources and this toolchain, so a finished build there has nothing left to check.
         if (directory / BUILT).is_file() and (directory / f"{module}.so").is_file():
             return import_built(module, directory)

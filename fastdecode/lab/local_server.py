@@ -2,7 +2,6 @@
 loopback port, waits for /health, and stops it at the end, so a local number and a remote one mean the same."""
 from __future__ import annotations
 
-import importlib.util
 import shlex
 import socket
 import subprocess
@@ -15,8 +14,6 @@ import httpx
 
 from fastdecode.errors import FastdecodeError
 
-SERVE_ENTRY = "from fastdecode.cli import main; main()"  # `python -c` keeps the server on this interpreter and env
-
 
 class ServerStartError(FastdecodeError):
     """`fastdecode serve` is missing, exited, or did not answer /health in time."""
@@ -28,30 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_entry() -> list[str] | None:
-    """Interpreter arguments that run `fastdecode serve`: the registered command, else the server package's
-    `python -m fastdecode.server` (the same command, before it is registered); None when neither exists."""
-    from fastdecode.cli import main
-
-    if "serve" in main.commands:
-        return ["-c", SERVE_ENTRY, "serve"]
-    if importlib.util.find_spec("fastdecode.server") and importlib.util.find_spec("fastdecode.server.__main__"):
-        return ["-m", "fastdecode.server"]
-    return None
-
-
 class LocalServer:
     def __init__(self, model: str, speculate: str | None = None, serve_args: tuple[str, ...] = (),
                  startup_timeout_s: float = 600.0):
         self.model, self.speculate, self.startup_timeout_s = model, speculate, startup_timeout_s
         self.port = free_port()
-        self.entry = serve_entry()
         self.args = ["-m", model, "--host", "127.0.0.1", "--port", str(self.port)]
         if speculate:
             self.args += ["--speculate", speculate]
         for arg in serve_args:  # each may hold several words: --serve-arg "--quant int4"
             self.args += shlex.split(arg)
-        self.command = [sys.executable, *(self.entry or ["-c", SERVE_ENTRY, "serve"]), *self.args]
+        # `python -m fastdecode.server` is `fastdecode serve` on this interpreter and environment
+        self.command = [sys.executable, "-m", "fastdecode.server", *self.args]
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
 
@@ -63,9 +48,6 @@ class LocalServer:
         return shlex.join(["fastdecode", "serve", *self.args])
 
     def __enter__(self) -> LocalServer:
-        if self.entry is None:
-            raise ServerStartError("`fastdecode serve` is not available in this install (no fastdecode.server); "
-                                   "measure a running server with --endpoint URL --model NAME instead")
         log = tempfile.NamedTemporaryFile("w+b", prefix="fastdecode-serve-", suffix=".log", delete=False)
         self.log_path = Path(log.name)
         self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

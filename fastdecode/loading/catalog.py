@@ -3,7 +3,6 @@ extracts the GGUF, checks its sha256 and keeps it under $FASTDECODE_HOME/models.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastdecode.errors import FastdecodeError, ModelFileError
+from fastdecode.private_files import fastdecode_home
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,6 @@ CATALOG = {m.name: m for m in [
         "Gemma 3 270M, GGUF Q4_K_M (assembled from four chunk packages)"),
 ]}
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def fastdecode_home() -> Path:
-    return Path(os.environ.get("FASTDECODE_HOME") or Path.home() / ".cache" / "fastdecode")
 
 
 def cached_path(name: str) -> Path:

@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType as QType
 from torch import nn
 
 from fastdecode.errors import ModelFileError
+from fastdecode.loading.build import check_parameter_count
 from fastdecode.loading.gguf_file import GGUFFile, read_gguf
 from fastdecode.loading.gguf_loader import (GLOBAL_NAMES, block_tensors, dequantize_tensor, float_tensor, gguf_config,
                                             hf_name, permuted_heads)
@@ -56,8 +57,6 @@ GGUF_NAMES = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
 
 def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, backend: str | None = None):
     """`progress` wraps an iterable (of module names); `backend` forces the quant modules' (tests)."""
-    from fastdecode.loading import check_parameter_count
-
     f = read_gguf(path)
     config = gguf_config(f)
     model = check_parameter_count(config, [math.prod(t.shape) for t in f.tensors.values()], f.path, dtype)

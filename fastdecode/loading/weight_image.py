@@ -69,9 +69,7 @@ def cap_bytes() -> int:
 
 
 def image_dir() -> Path:
-    from fastdecode.loading.catalog import fastdecode_home
-
-    return Path(os.environ.get("FASTDECODE_WEIGHT_CACHE_DIR") or fastdecode_home() / "weights")
+    return Path(os.environ.get("FASTDECODE_WEIGHT_CACHE_DIR") or private_files.fastdecode_home() / "weights")
 
 
 @functools.cache

@@ -27,7 +27,7 @@ class SparseMoE(nn.Module):
         self.softmax_after_topk = config.softmax_after_topk
         self.gate = Router(config.hidden_size, config.num_experts, bias=config.moe_bias)
         self.experts = nn.ModuleList(expert(config, config.moe_intermediate_size) for _ in range(config.num_experts))
-        self.stacked: list[torch.Tensor] | None = None  # the experts' weights stacked for the native step (decoder.py)
+        self.stacked: list[torch.Tensor] | None = None  # experts stacked for the native step (native_layers.py)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (R, D) -> top-k weights (R, k) in x's dtype and expert ids (R, k), as transformers' Qwen3MoeTopKRouter:

@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from fastdecode.config import ModelConfig
 from fastdecode.errors import ModelFileError, UnsupportedModelError
-from fastdecode.loading import skip_init
+from fastdecode.loading.build import skip_init
 from fastdecode.loading.gguf_file import GGUFFile, GGUFTensor
 from fastdecode.loading.gguf_loader import dequantize_tensor, hf_name, unpermute_rows
 from fastdecode.loading.hf_loader import PREFIXES, read_config

@@ -125,7 +125,7 @@ def read_quant_config(path) -> dict:
 def load_quantized(path, dtype: torch.dtype = torch.float32, backend: str | None = None) -> nn.Module:
     """Builds the model of a quantized checkpoint: quantized modules from their stored tensors, other weights in
     `dtype`."""
-    from fastdecode.loading import skip_init
+    from fastdecode.loading.build import skip_init
     from fastdecode.loading.hf_loader import read_config
     from fastdecode.models import model_class
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from fastdecode.kernels import native_ops
-from fastdecode.kernels.decoder import EMPTY, layer_args, layer_weights, model_supported
-from fastdecode.runners import Batch
+from fastdecode.runners.native_layers import EMPTY, layer_args, layer_weights, model_supported
+from fastdecode.runners.batch import Batch
 
 
 class NativeRunner:
@@ -33,6 +33,7 @@ class NativeRunner:
         a, m = self.args, self.model
         return self.ops.forward_batch(
             m.embed(batch.tokens), self.weights, batch.positions, batch.slots, batch.seq_rows, batch.context,
-            EMPTY if batch.prompt_end is None else batch.prompt_end, batch.block_tables, batch.block_size, EMPTY if batch.tree_mask is None else batch.tree_mask,
+            EMPTY if batch.prompt_end is None else batch.prompt_end, batch.block_tables, batch.block_size,
+            EMPTY if batch.tree_mask is None else batch.tree_mask,
             m.rope_global, m.rope_local, a["windows"], a["H"], a["K"], a["hd"], a["eps"], a["scale"], a["sandwich"],
             a["gelu"], a["swiglu_limit"], a["swiglu_alpha"], a["top_k"], a["norm_topk"], a["softmax_after_topk"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.runners import Batch
+from fastdecode.runners.batch import Batch
 
 
 class TorchRunner:

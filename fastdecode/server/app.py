@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -27,7 +26,7 @@ from fastdecode.server.metrics import CountRequests, Metrics
 from fastdecode.server.prepare import EngineRequest, ServedModel, chat_request, completion_request
 from fastdecode.server.protocol import ChatFormatter, TextFormatter
 from fastdecode.server.responses.routes import responses_routes
-from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler
+from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler, threaded_stream
 from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest
 from fastdecode.server.security import Guard
 
@@ -53,11 +52,9 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
 
     @asynccontextmanager
     async def lifespan(app):
-        scheduler.start()
         recorder.start()
         yield
         recorder.stop()
-        scheduler.stop()
 
     app = FastAPI(title="fastdecode", summary="OpenAI-compatible API over one fastdecode engine",
                   version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -113,10 +110,13 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
             # configured nobody: each request its own), and cached prefixes are shared only within one too.
             tenant = getattr(request.state, "tenant", None)
             salt = cache_salt(tenant, job.cache_salt, config.share_prefix_cache)
-            cancelled = threading.Event()  # set when the client leaves: the engine drops it even mid-prefill
-            run = scheduler.submit(lambda: llm.stream(job.prompt_ids, job.params, job.logits_processor, salt=salt,
-                                                      tenant=tenant, cancel=cancelled, on_prefill=PrefillLog(log)),
-                                   config.request_timeout_s, cancelled)
+            args = (job.prompt_ids, job.params, job.logits_processor)
+            kw = dict(salt=salt, tenant=tenant, on_prefill=PrefillLog(log))
+            if llm.engine is not None:  # read straight from the engine on this event loop
+                run = scheduler.submit(lambda: llm.astream(*args, **kw), config.request_timeout_s)
+            else:  # the single-request loop blocks: a thread of its own reads it
+                run = scheduler.submit(lambda: threaded_stream(lambda cancel: llm.stream(*args, cancel=cancel, **kw)),
+                                       config.request_timeout_s)
         except QueueFull as e:
             raise ApiError(429, f"The server is busy: {scheduler.waiting} requests are waiting for the engine. "
                                 f"Retry after {e.retry_after} s.", code="queue_full",

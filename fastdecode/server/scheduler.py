@@ -1,20 +1,20 @@
-"""Requests in a bounded first-in-first-out queue in front of the engine, `slots` of them generating at once.
+"""Requests in front of the engine, on the event loop: at most `slots` of them streaming from it at once (the engine
+batches them, so `slots` is its batch size; a model that runs one request at a time -- tensor parallelism, a model
+drafter -- gets one), the rest waiting in arrival order, at most `max_queue` of them (more get 429).
 
-Each slot is a worker thread that takes the next request in arrival order and iterates its stream (`LLM.stream`),
-handing each chunk to the request's asyncio queue on the event loop. The engine batches whatever streams are open
-(continuous batching), so `slots` is its batch size; a model that runs one request at a time (tensor parallelism, a
-model drafter) gets one slot. A request whose client went away, or whose time ran out, is dropped from the queue or
-has its stream stopped (LLM.stream's `cancel`: within a step, even mid-prefill), which frees its place in the engine.
+No thread waits on a request: a request on the engine is read through `LLM.astream`, whose chunks the engine's thread
+hands to the event loop as it posts them. (The single-request loop still runs each request's blocking stream on a
+thread of its own, `threaded_stream`.) A request whose client went away, or whose time ran out, leaves the queue or
+has its stream closed, which ends it in the engine at its next step, even mid-prefill.
 """
 from __future__ import annotations
 
 import asyncio
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 from fastdecode.engine.llm import StreamChunk
 
@@ -29,50 +29,70 @@ class QueueTimeout(Exception):
     """The request's time limit passed before the engine reached it."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Run:
-    """One request's passage through the engine; its events arrive on `events` as (kind, value):
-    ("chunk", StreamChunk), ("error", exception) or ("end", "done" | "cancelled" | "timeout"). `end` is set once
-    the consumer has seen the last event ("error" for an exception)."""
-    open_stream: Callable[[], Iterator[StreamChunk]]
-    loop: asyncio.AbstractEventLoop
+    """One request's passage through the engine. `open_stream()` -> its chunks (an async iterator with `close()`),
+    opened once a slot is free. `end`: "done", "cancelled", "timeout" or "error", set once `chunks()` has ended."""
+    open_stream: Callable[[], AsyncIterator[StreamChunk]]
+    scheduler: Scheduler
     deadline: float  # time.monotonic() after which generation stops
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None
     end: str | None = None
-    expired: bool = False  # the time limit passed (cancelled is set too: it stops a stream even mid-prefill)
-
-    def cancel(self):
-        self.cancelled.set()
-
-    def expire(self):
-        self.expired = True
-        self.cancelled.set()
+    stream: AsyncIterator[StreamChunk] | None = None
+    cancelled: bool = False
+    expired: bool = False  # the time limit passed
+    timer: asyncio.TimerHandle | None = None
+    queued: bool = True  # counted in the scheduler's waiting
+    holding: bool = False  # holds one of the scheduler's slots
 
     @property
     def queue_s(self) -> float:
         return (self.started or time.monotonic()) - self.submitted
 
-    def post(self, kind: str, value):
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is gone: the server is shutting down
-            self.cancel()
+    def cancel(self):
+        """Stops the request wherever it is: waiting (it never starts) or streaming (its stream is closed)."""
+        self.cancelled = True
+        self._stop()
+
+    def _expire(self):
+        self.expired = True
+        self._stop()
+
+    def _stop(self):
+        if self.stream is not None:
+            self.stream.close()
+        self.scheduler.give_back(self)  # its place in the queue, or its slot, for the next request at once
 
     async def chunks(self):
-        """The engine's chunks as they come; raises the engine's exception, if any; sets `end`."""
-        while True:
-            kind, value = await self.events.get()
-            if kind == "chunk":
-                yield value
-            elif kind == "error":
-                self.end = "error"
-                raise value
-            else:
-                self.end = value
+        """The engine's chunks as they come; raises the engine's exception, or QueueTimeout when the time limit
+        passes before a slot is free; sets `end`."""
+        try:
+            await self.scheduler.take_slot(self)
+            if self.cancelled:
+                self.end = "cancelled"
                 return
+            self.stream = self.open_stream()
+            # The limit also ends a prefill, through the stream's close: a stream with no token yet has no chunk to
+            # look at the clock after (a 20k-token prompt at 8B prefills for minutes).
+            self.timer = asyncio.get_running_loop().call_later(max(0.0, self.deadline - time.monotonic()),
+                                                                self._expire)
+            async for chunk in self.stream:
+                if self.expired or self.cancelled:
+                    break
+                yield chunk
+                if chunk.completion is not None:
+                    break
+            self.end = "timeout" if self.expired else "cancelled" if self.cancelled else "done"
+        except Exception:  # (not a reader that was cancelled or closed: `end` stays None for it)
+            self.end = "error"
+            raise
+        finally:
+            if self.timer is not None:
+                self.timer.cancel()
+            if self.stream is not None:
+                self.stream.close()  # a stream closed early ends the request in the engine
+            self.scheduler.give_back(self)
 
 
 class Scheduler:
@@ -80,39 +100,55 @@ class Scheduler:
         self.max_queue = max_queue  # requests waiting beyond those generating; more get 429
         self.metrics = metrics
         self.slots = slots
-        self.jobs: queue.Queue[Run | None] = queue.Queue()
-        self.lock = threading.Lock()
         self.waiting = 0
         self.busy = 0  # slots generating
+        self.free: asyncio.Semaphore | None = None  # made on the event loop, at the first request
         self.service_s = 1.0  # moving average of a request's engine time, for Retry-After
-        self.threads: list[threading.Thread] = []
 
-    def start(self):
-        self.threads = [threading.Thread(target=self._work, name=f"fastdecode-slot-{i}", daemon=True)
-                        for i in range(self.slots)]
-        for t in self.threads:
-            t.start()
-
-    def stop(self, timeout: float = 5.0):
-        for _ in self.threads:
-            self.jobs.put(None)
-        for t in self.threads:
-            t.join(timeout)
-
-    def submit(self, open_stream: Callable[[], Iterator[StreamChunk]], timeout_s: float,
-               cancelled: threading.Event | None = None) -> Run:
-        """Queues a request (call on the event loop); raises QueueFull when `max_queue` requests already wait.
-        `cancelled`: the event Run.cancel() sets, for a stream that can be told to stop while it waits for a token
-        (LLM.stream's `cancel`: a client that leaves mid-prefill)."""
-        with self.lock:
-            if self.waiting >= self.max_queue + self.slots - self.busy:  # idle slots take one each at once
-                raise QueueFull(max(1, math.ceil(self.service_s * (self.waiting + 1) / self.slots)))
-            self.waiting += 1
-        run = Run(open_stream, asyncio.get_running_loop(), time.monotonic() + timeout_s,
-                  cancelled=cancelled or threading.Event())
+    def submit(self, open_stream: Callable[[], AsyncIterator[StreamChunk]], timeout_s: float) -> Run:
+        """Queues a request (call on the event loop); raises QueueFull when `max_queue` requests already wait."""
+        if self.waiting >= self.max_queue + self.slots - self.busy:  # idle slots take one each at once
+            raise QueueFull(max(1, math.ceil(self.service_s * (self.waiting + 1) / self.slots)))
+        self.waiting += 1
         self._gauges()
-        self.jobs.put(run)
-        return run
+        return Run(open_stream, self, time.monotonic() + timeout_s)
+
+    async def take_slot(self, run: Run):
+        if self.free is None:
+            self.free = asyncio.Semaphore(self.slots)
+        if run.cancelled:
+            return
+        try:
+            async with asyncio.timeout(max(0.0, run.deadline - time.monotonic())):
+                await self.free.acquire()
+        except TimeoutError:
+            raise QueueTimeout("the request's time limit passed while it waited for the engine") from None
+        finally:
+            self.leave_queue(run)
+        if run.cancelled:  # while the slot was being handed to it
+            self.free.release()
+            return
+        run.started, run.holding = time.monotonic(), True
+        self.busy += 1
+        if self.metrics is not None:
+            self.metrics.queue_wait.observe(run.queue_s)
+        self._gauges(running=self.busy)
+
+    def leave_queue(self, run: Run):
+        if run.queued:
+            run.queued = False
+            self.waiting -= 1
+            self._gauges()
+
+    def give_back(self, run: Run):
+        """The run is over: out of the queue, and its slot (if it held one) free for the next."""
+        self.leave_queue(run)
+        if run.holding:
+            run.holding = False
+            self.busy -= 1
+            self.free.release()
+            self._gauges(running=self.busy)
+            self.service_s = 0.8 * self.service_s + 0.2 * (time.monotonic() - run.started)
 
     def _gauges(self, running: int | None = None):
         if self.metrics is not None:
@@ -120,42 +156,47 @@ class Scheduler:
             if running is not None:
                 self.metrics.running.set(running)
 
-    def _work(self):
-        while (run := self.jobs.get()) is not None:
-            with self.lock:
-                self.waiting -= 1
-                self.busy += 1
-            run.started = time.monotonic()
-            self._gauges(running=self.busy)
-            try:
-                self._generate(run)
-            except Exception as e:  # the request's error (InvalidRequestError) or ours: the handler answers it
-                run.post("error", e)
-            finally:
-                with self.lock:
-                    self.busy -= 1
-                self._gauges(running=self.busy)
-                self.service_s = 0.8 * self.service_s + 0.2 * (time.monotonic() - run.started)
 
-    def _generate(self, run: Run):
-        if run.cancelled.is_set():
-            return run.post("end", "cancelled")
-        if time.monotonic() > run.deadline:
-            return run.post("error", QueueTimeout("the request's time limit passed while it waited for the engine"))
-        if self.metrics is not None:
-            self.metrics.queue_wait.observe(run.queue_s)
-        # The limit also ends a prefill, through the same event a client that leaves sets: a stream that has no
-        # token yet has no chunk to look at the clock after (a 20k-token prompt at 8B prefills for minutes).
-        timer = threading.Timer(max(0.0, run.deadline - time.monotonic()), run.expire)
-        timer.daemon = True
-        timer.start()
-        stream = run.open_stream()
+class threaded_stream:
+    """A blocking stream (`open_stream(cancel)`, LLM.stream's form) read from the event loop: it runs on a thread of
+    its own, for the single-request loop, which has no engine to wake the loop. `close()` sets `cancel`, which the
+    stream heeds within its poll, even mid-prefill."""
+
+    def __init__(self, open_stream: Callable[[threading.Event], Iterator[StreamChunk]]):
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        threading.Thread(target=self._run, args=(open_stream,), name="fastdecode-request", daemon=True).start()
+
+    def _run(self, open_stream):
         try:
-            for chunk in stream:
-                run.post("chunk", chunk)
-                if chunk.completion is not None or run.cancelled.is_set():
-                    break
-        finally:
-            timer.cancel()
-            stream.close()  # a stream closed early ends the request in the engine
-        run.post("end", "timeout" if run.expired else "cancelled" if run.cancelled.is_set() else "done")
+            stream = open_stream(self.cancel)
+            try:
+                for chunk in stream:
+                    self._post(chunk)
+                    if self.cancel.is_set():
+                        break
+            finally:
+                stream.close()
+            self._post(StopAsyncIteration())
+        except Exception as e:  # the request's error (InvalidRequestError) or ours: the reader raises it
+            self._post(e)
+
+    def _post(self, item):
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop is gone: the server is shutting down
+            self.cancel.set()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        item = await self.events.get()
+        if isinstance(item, BaseException):
+            self.cancel.set()
+            raise item
+        return item
+
+    def close(self):
+        self.cancel.set()

@@ -111,12 +111,11 @@ class Speculator:
 
     @staticmethod
     def draft_model(name: str, llm, log) -> DraftModelDrafter:
-        from fastdecode.engine.llm import DTYPES
-        from fastdecode.kernels.decoder import native_decoder
         from fastdecode.loading import load_model
         from fastdecode.loading.catalog import resolve
+        from fastdecode.runners.native_layers import native_decoder
 
-        model = load_model(resolve(name, log=log), DTYPES[llm.dtype])
+        model = load_model(resolve(name, log=log), getattr(torch, llm.dtype))  # (LLM checked it is a float dtype)
         if llm.quant:
             from fastdecode.quant import quantize_model
             quantize_model(model, llm.quant)

@@ -144,7 +144,7 @@ def train_drafter(o: TrainOptions, progress, log=print) -> dict:
     target = Target.of(llm.model)
     cfg = head_config_for(llm.model, o.kind, o.model, o.draft_vocab, mtp_depth=o.steps)
     if o.quant:
-        from fastdecode.kernels.decoder import native_decoder
+        from fastdecode.runners.native_layers import native_decoder
         from fastdecode.quant import quantize_model
         quantize_model(llm.model, o.quant)
         llm.quant, llm.decoder = o.quant, native_decoder(llm.model)

@@ -1,4 +1,5 @@
 """The engine on the real GGUF models against transformers loading the same file."""
+import asyncio
 import threading
 import time
 
@@ -179,4 +180,58 @@ def test_a_cancelled_stream_leaves_the_engine_mid_prefill(smollm2_path):
         time.sleep(0.01)
     assert last.completion.token_ids == [] and llm.engine.num_running == 0
     assert waited < 1.5, f"the stream ended {waited:.2f} s after it started, 0.3 s after it was cancelled"
+    llm.close()
+
+
+def test_the_asyncio_stream_gives_the_blocking_streams_chunks_alone_and_side_by_side(smollm2):
+    """LLM.astream: the same chunks as stream(), with stop strings, logprobs and the last Completion; two read at once
+    on one event loop are batched by the engine and each equals its own solo run."""
+    cases = [("Hello, my name is", SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1)),
+             ("1, 2, 3, 4,", SamplingParams(max_tokens=40, stop=["7"]))]
+
+    async def read(prompt, params):
+        return [c async for c in smollm2.astream(prompt, params)]
+
+    async def both():
+        return await asyncio.gather(*(read(p, s) for p, s in cases))
+
+    for (prompt, params), chunks in zip(cases, asyncio.run(both())):
+        blocking = list(smollm2.stream(prompt, params))
+        assert [(c.text, c.token_ids, c.logprobs) for c in chunks] == [
+            (c.text, c.token_ids, c.logprobs) for c in blocking]
+        ours, theirs = chunks[-1].completion, blocking[-1].completion
+        assert (ours.text, ours.token_ids, ours.finish_reason) == (theirs.text, theirs.token_ids, theirs.finish_reason)
+    assert asyncio.run(both())[1][-1].completion.finish_reason == "stop"
+
+
+def test_closing_or_cancelling_an_asyncio_stream_ends_it_in_the_engine_mid_prefill(smollm2_path):
+    """The server's reader of a long prompt: closed (a time limit) or its task cancelled (a client that left), the
+    request leaves the engine within a step; the reader of a closed stream gets its end at once."""
+    llm = LLM(str(smollm2_path), max_seq_len=4096, scheduler=SchedulerConfig(max_batched_tokens=64))
+    prompt = list(range(1000, 4500))  # 3,500 tokens in steps of 64 rows: seconds of prefill
+
+    async def closed():
+        stream = llm.astream(prompt, SamplingParams(max_tokens=4))
+        asyncio.get_running_loop().call_later(0.3, stream.close)
+        t0 = time.perf_counter()
+        chunks = [c async for c in stream]
+        return chunks, time.perf_counter() - t0
+
+    async def cancelled():
+        reader = asyncio.ensure_future(anext(llm.astream(prompt, SamplingParams(max_tokens=4))))
+        await asyncio.sleep(0.3)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+
+    def engine_empty() -> bool:
+        deadline = time.monotonic() + 2
+        while llm.engine.num_running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return llm.engine.num_running == 0
+
+    chunks, waited = asyncio.run(closed())
+    assert [c.completion.token_ids for c in chunks] == [[]] and engine_empty() and waited < 1.5
+    asyncio.run(cancelled())
+    assert engine_empty()
     llm.close()

@@ -6,7 +6,7 @@ from gguf import GGMLQuantizationType as QType
 from fastdecode.config import ModelConfig
 from fastdecode.engine.generate import decode_one_token, prefill
 from fastdecode.kernels import native_ops
-from fastdecode.kernels.decoder import NativeDecoder, native_decoder
+from fastdecode.runners.native_layers import NativeDecoder, native_decoder
 from fastdecode.loading import load_model
 from fastdecode.models.transformer import Transformer
 from fastdecode.quant import KQuantLinear, quantize_model

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdecode.kernels import decoder as native_decoder_module
+from fastdecode.runners import native_layers as native_decoder_module
 from fastdecode.kernels import jit, native_ops, native_ops_for
-from fastdecode.kernels.decoder import native_decoder
+from fastdecode.runners.native_layers import native_decoder
 from fastdecode.loading import load_model
 from fastdecode.quant import KQuantLinear, fp4, int4, int8
 from tests.helpers.checkpoints import checkpoint

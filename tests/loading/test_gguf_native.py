@@ -121,7 +121,7 @@ def test_tied_embedding_shares_the_lm_head_module():
 
 
 def test_a_bfloat16_load_looks_up_bfloat16_rows_and_leaves_the_native_step():
-    from fastdecode.kernels.decoder import native_decoder
+    from fastdecode.runners.native_layers import native_decoder
 
     kept = load_gguf_native(uniform_gguf(QType.Q4_0), dtype=torch.bfloat16)
     assert kept.embed_tokens(torch.tensor([[1, 2]])).dtype == torch.bfloat16

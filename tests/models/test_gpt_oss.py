@@ -16,7 +16,7 @@ from fastdecode import LLM, SamplingParams
 from fastdecode.config import ModelConfig
 from fastdecode.errors import UnsupportedModelError
 from fastdecode.engine.generate import decode_one_token
-from fastdecode.kernels.decoder import model_supported, native_decoder
+from fastdecode.runners.native_layers import model_supported, native_decoder
 from fastdecode.loading import load_model
 from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_loader import block_tensors

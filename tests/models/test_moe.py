@@ -16,7 +16,7 @@ from fastdecode.loading import load_model
 from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_loader import block_tensors
 from fastdecode.loading.gguf_moe import expert_tensors
-from fastdecode.kernels.decoder import stacked_experts
+from fastdecode.runners.native_layers import stacked_experts
 from fastdecode.loading.gguf_native import load_gguf_native
 from fastdecode.models.moe import Router, SparseMoE
 from fastdecode.quant import Int8Linear, KQuantLinear, quantize_model

@@ -37,6 +37,28 @@ class CannedLLM:
         timings = Timings(prompt_tokens=len(prompt_ids), output_tokens=len(token_ids))
         yield StreamChunk("", [], completion=Completion(self.script, token_ids, list(prompt_ids), "stop", timings))
 
+    def astream(self, prompt_ids, params=None, logits_processor=None, **kw):
+        return Chunks(list(self.stream(prompt_ids, params)))
+
+
+class Chunks:
+    """Chunks as LLM.astream hands them out."""
+
+    def __init__(self, chunks: list[StreamChunk]):
+        self.chunks = iter(chunks)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        try:
+            return next(self.chunks)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def close(self):
+        pass
+
 
 @contextmanager
 def canned_client(name: str):

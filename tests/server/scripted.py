@@ -28,7 +28,7 @@ class ScriptedLLM:
     def __getattr__(self, name):
         return getattr(self.llm, name)
 
-    def stream(self, prompt, params=None, logits_processor=None, **kw):
+    def force(self):
         """The script is what the model says: the request's grammar (tools get one) is not applied, so that replies
         a grammar would refuse still test how the server reads them."""
         tokenizer = self.llm.tokenizer
@@ -38,7 +38,13 @@ class ScriptedLLM:
             forced = torch.full_like(logits, float("-inf"))
             forced[ids[min(len(output_ids), len(ids) - 1)]] = 0.0
             return forced
-        return self.llm.stream(prompt, params, force, **kw)
+        return force
+
+    def stream(self, prompt, params=None, logits_processor=None, **kw):
+        return self.llm.stream(prompt, params, self.force(), **kw)
+
+    def astream(self, prompt, params=None, logits_processor=None, **kw):
+        return self.llm.astream(prompt, params, self.force(), **kw)
 
 
 @contextmanager

@@ -1,5 +1,5 @@
-"""The FIFO in front of the engine, with plain generators standing in for `LLM.stream`: order, bound, cancel and
-time limit."""
+"""The FIFO in front of the engine, with stand-in streams in LLM.astream's form (async iterators with close()): order,
+bound, cancel and time limit; and the thread that reads the single-request loop's blocking stream."""
 import asyncio
 import threading
 import time
@@ -7,142 +7,197 @@ import time
 import pytest
 
 from fastdecode.engine.llm import StreamChunk
-from fastdecode.server.scheduler import QueueFull, QueueTimeout, Scheduler
+from fastdecode.server.scheduler import QueueFull, QueueTimeout, Scheduler, threaded_stream
 
 
-def tokens(name: str, n: int, log: list, delay: float = 0.0):
-    """A stand-in stream: n chunks, recording when it starts and whether it was closed early."""
-    def stream():
+class Stream:
+    """n chunks, `delay` apart; records when it starts and when it is closed. With `until_closed`, no chunk comes
+    until close() (as a prompt prefilling for minutes: the engine ends it at close and the reader wakes)."""
+
+    def __init__(self, name: str, n: int, log: list, delay: float = 0.0, until_closed: bool = False):
+        self.name, self.n, self.log, self.delay, self.i = name, n, log, delay, 0
+        self.closed = asyncio.Event()
+        self.until_closed = until_closed
         log.append(("start", name))
-        try:
-            for i in range(n):
-                time.sleep(delay)
-                yield StreamChunk(f"{name}{i}", [i])
-        finally:
-            log.append(("closed", name))
-    return stream
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.until_closed:
+            await self.closed.wait()
+        if self.closed.is_set() or self.i == self.n:
+            raise StopAsyncIteration
+        await asyncio.sleep(self.delay)
+        self.i += 1
+        return StreamChunk(f"{self.name}{self.i - 1}", [self.i])
+
+    def close(self):
+        if not self.closed.is_set():
+            self.closed.set()
+            self.log.append(("closed", self.name))
+
+
+def tokens(name: str, n: int, log: list, delay: float = 0.0, **kw):
+    return lambda: Stream(name, n, log, delay, **kw)
 
 
 async def drain(run) -> list[str]:
     return [c.text async for c in run.chunks()]
 
 
-def scheduled(max_queue=8):
-    scheduler = Scheduler(max_queue)
-    scheduler.start()
-    return scheduler
-
-
 def test_requests_run_one_at_a_time_in_arrival_order():
     async def main():
-        scheduler, log = scheduled(), []
+        scheduler, log = Scheduler(8), []
         runs = [scheduler.submit(tokens(name, 3, log, 0.005), 60) for name in "abcd"]
         texts = await asyncio.gather(*(drain(r) for r in runs))
-        scheduler.stop()
-        return texts, log
-    texts, log = asyncio.run(main())
-    assert texts == [[f"{n}{i}" for i in range(3)] for n in "abcd"]
+        return texts, log, [r.end for r in runs]
+    texts, log, ends = asyncio.run(main())
+    assert texts == [[f"{n}{i}" for i in range(3)] for n in "abcd"] and ends == ["done"] * 4
     assert log == [(e, n) for n in "abcd" for e in ("start", "closed")]  # never two at once
+
+
+def test_slots_stream_side_by_side_and_the_rest_wait():
+    async def main():
+        scheduler, log = Scheduler(8, slots=2), []
+        runs = [scheduler.submit(tokens(name, 3, log, 0.01), 60) for name in "abc"]
+        await asyncio.gather(*(drain(r) for r in runs))
+        return log
+    log = asyncio.run(main())
+    assert log[:2] == [("start", "a"), ("start", "b")] and log.index(("start", "c")) > 2
 
 
 def test_full_queue_raises_with_a_retry_hint():
     async def main():
-        scheduler, log = scheduled(max_queue=1), []
+        scheduler, log = Scheduler(1), []
         first = scheduler.submit(tokens("a", 50, log, 0.01), 60)
-        await first.events.get()  # a is generating
+        chunks = first.chunks()
+        await anext(chunks)  # a is generating
         second = scheduler.submit(tokens("b", 1, log), 60)
         with pytest.raises(QueueFull) as e:
             scheduler.submit(tokens("c", 1, log), 60)
         first.cancel()
-        await drain(first)
+        assert [c async for c in chunks] == []
         await drain(second)
-        scheduler.stop()
-        return e.value.retry_after, log
-    retry_after, log = asyncio.run(main())
-    assert retry_after >= 1 and ("start", "c") not in log
+        return e.value.retry_after, log, (scheduler.waiting, scheduler.busy)
+    retry_after, log, counts = asyncio.run(main())
+    assert retry_after >= 1 and ("start", "c") not in log and counts == (0, 0)
 
 
 def test_cancel_closes_the_stream_and_skips_a_queued_request():
     async def main():
-        scheduler, log = scheduled(), []
+        scheduler, log = Scheduler(8), []
         long = scheduler.submit(tokens("long", 1000, log, 0.005), 60)
         queued = scheduler.submit(tokens("queued", 3, log), 60)
         after = scheduler.submit(tokens("after", 2, log), 60)
-        await long.events.get()
+        chunks = long.chunks()
+        await anext(chunks)
         queued.cancel()
         long.cancel()
-        rest = await drain(long)
-        result = await drain(after)
-        scheduler.stop()
-        return long.end, len(rest), result, log
-    end, streamed, result, log = asyncio.run(main())
-    assert end == "cancelled" and streamed < 10 and result == ["after0", "after1"]
-    assert ("closed", "long") in log and ("start", "queued") not in log
+        rest = [c async for c in chunks]
+        waiting = asyncio.gather(drain(queued), drain(after))
+        skipped, result = await waiting
+        return long.end, queued.end, len(rest), skipped, result, log
+    end, queued_end, streamed, skipped, result, log = asyncio.run(main())
+    assert end == "cancelled" and queued_end == "cancelled" and streamed == 0 and skipped == []
+    assert result == ["after0", "after1"] and ("closed", "long") in log and ("start", "queued") not in log
+
+
+def test_a_reader_that_is_cancelled_frees_its_slot_at_once():
+    async def main():
+        scheduler, log = Scheduler(8), []
+        reader = asyncio.ensure_future(drain(scheduler.submit(tokens("gone", 1000, log, 0.01), 60)))
+        await asyncio.sleep(0.05)
+        reader.cancel()  # the client left: the app's task awaiting the chunks is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        busy = scheduler.busy
+        return busy, await drain(scheduler.submit(tokens("next", 1, log), 60)), log
+    busy, result, log = asyncio.run(main())
+    assert busy == 0 and result == ["next0"] and ("closed", "gone") in log
 
 
 def test_time_limit_ends_generation_and_expires_queued_requests():
     async def main():
-        scheduler, log = scheduled(), []
+        scheduler, log = Scheduler(8), []
         slow = scheduler.submit(tokens("slow", 1000, log, 0.01), 0.2)
         late = scheduler.submit(tokens("late", 1, log), 0.1)
-        await drain(slow)
-        with pytest.raises(QueueTimeout):
-            await drain(late)
-        scheduler.stop()
-        return slow.end, log
-    end, log = asyncio.run(main())
-    assert end == "timeout" and ("closed", "slow") in log and ("start", "late") not in log
+        results = await asyncio.gather(drain(slow), drain(late), return_exceptions=True)
+        return slow.end, results[1], log
+    end, late, log = asyncio.run(main())
+    assert end == "timeout" and isinstance(late, QueueTimeout)
+    assert ("closed", "slow") in log and ("start", "late") not in log
 
 
 def test_time_limit_ends_a_stream_still_waiting_for_its_first_token():
-    cancel = threading.Event()
-
-    def prefill():  # as LLM.stream with `cancel`: no chunk until a long prefill ends, or until the event is set
-        if cancel.wait(10):
-            yield StreamChunk("", [])
-
     async def main():
-        scheduler = scheduled()
+        scheduler, log = Scheduler(8), []
         start = time.monotonic()
-        run = scheduler.submit(prefill, 0.2, cancel)
-        await drain(run)
-        scheduler.stop()
-        return run.end, time.monotonic() - start
-    end, seconds = asyncio.run(main())
-    assert end == "timeout" and seconds < 1.5
+        run = scheduler.submit(tokens("prefill", 1, log, until_closed=True), 0.2)
+        texts = await drain(run)
+        return run.end, texts, time.monotonic() - start
+    end, texts, seconds = asyncio.run(main())
+    assert end == "timeout" and texts == [] and seconds < 1.5
 
 
-def test_engine_error_reaches_the_request_and_the_worker_goes_on():
-    def broken():
-        raise ValueError("bad")
-        yield
+def test_engine_error_reaches_the_request_and_the_next_goes_on():
+    class Broken(Stream):
+        async def __anext__(self):
+            raise ValueError("bad")
 
     async def main():
-        scheduler, log = scheduled(), []
-        failing = scheduler.submit(broken, 60)
+        scheduler, log = Scheduler(8), []
+        failing = scheduler.submit(lambda: Broken("broken", 1, log), 60)
         fine = scheduler.submit(tokens("ok", 1, log), 60)
         with pytest.raises(ValueError):
             await drain(failing)
-        result = await drain(fine)
-        scheduler.stop()
-        return result
-    assert asyncio.run(main()) == ["ok0"]
+        return failing.end, await drain(fine), ("closed", "broken") in log
+    assert asyncio.run(main()) == ("error", ["ok0"], True)
 
 
 def test_queue_of_zero_still_serves_one_at_a_time():
     async def main():
-        scheduler, log = scheduled(max_queue=0), []
+        scheduler, log = Scheduler(0), []
         first = scheduler.submit(tokens("a", 50, log, 0.01), 60)
-        await first.events.get()
+        chunks = first.chunks()
+        await anext(chunks)
         with pytest.raises(QueueFull):
             scheduler.submit(tokens("b", 1, log), 60)
         first.cancel()
-        await drain(first)
-        for _ in range(100):  # the worker lets go of the engine
-            if not scheduler.busy:
-                break
-            await asyncio.sleep(0.01)
-        result = await drain(scheduler.submit(tokens("c", 1, log), 60))
-        scheduler.stop()
-        return result
+        await chunks.aclose()
+        return await drain(scheduler.submit(tokens("c", 1, log), 60))
     assert asyncio.run(main()) == ["c0"]
+
+
+def test_a_blocking_stream_is_read_on_its_own_thread_and_stopped_by_close():
+    seen = {}
+
+    def blocking(cancel: threading.Event):  # as LLM.stream with `cancel`: it looks at the event between chunks
+        seen["thread"] = threading.current_thread().name
+        i = 0
+        while not cancel.wait(0.01):
+            yield StreamChunk(str(i), [i])
+            i += 1
+        seen["stopped"] = True
+
+    async def main():
+        stream = threaded_stream(blocking)
+        first = [await anext(stream) for _ in range(3)]
+        stream.close()
+        rest = [c async for c in stream]  # what was already posted, then the end
+        return [c.text for c in first], len(rest)
+    first, _ = asyncio.run(main())
+    time.sleep(0.1)
+    assert first == ["0", "1", "2"] and seen == {"thread": "fastdecode-request", "stopped": True}
+
+
+def test_a_blocking_streams_error_reaches_the_reader():
+    def failing(cancel):
+        yield StreamChunk("a", [1])
+        raise ValueError("bad")
+
+    async def main():
+        stream = threaded_stream(failing)
+        return (await anext(stream)).text, await asyncio.gather(anext(stream), return_exceptions=True)
+    text, (error,) = asyncio.run(main())
+    assert text == "a" and isinstance(error, ValueError)

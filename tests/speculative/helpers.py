@@ -6,7 +6,7 @@ import torch
 
 from fastdecode.engine.generate import Timings, generate_tokens
 from fastdecode.engine.sampling import Sampler, SamplingParams
-from fastdecode.kernels.decoder import native_decoder
+from fastdecode.runners.native_layers import native_decoder
 from fastdecode.quant import quantize_model
 from fastdecode.speculative.draft import Draft
 from fastdecode.speculative.drafter import Drafter

@@ -1,4 +1,7 @@
-"""The whole-model decode step in C++ (decode_step.cpp) for a built Transformer, where the model allows it."""
+"""A built Transformer's layers as the C++ step (kernels/decode_step.cpp) takes them: each layer's tensors in the
+step's slot order and the model's shape arguments (the native runner's), and NativeDecoder, the same step over the
+model's static cache for the single-request loop (tensor parallelism, model drafters) until that loop joins the
+engine. Here rather than in kernels/: it reads the model's modules, and the kernels sit below the models."""
 from __future__ import annotations
 
 import torch
