@@ -22,11 +22,11 @@ from fastdecode.engine.kv_disk import DiskTier
 from fastdecode.engine.sampling import Sampler, SamplingParams
 from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.errors import InvalidRequestError
-from fastdecode.runners.native_layers import native_decoder
 from fastdecode.kernels.openmp import release_openmp_workers
 from fastdecode.loading import load_model, load_tokenizer, resolve_quant
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
 from fastdecode.runners import build_runner
+from fastdecode.runners.native_layers import native_decoder
 from fastdecode.speculative import build_speculator
 from fastdecode.speculative.batch import COST_SIZES, MODEL_FREE, BatchSpeculator
 
@@ -93,7 +93,9 @@ class ChunkMaker:
 
     def last(self) -> StreamChunk:
         tail = "" if self.detok.stopped else self.detok.flush()
-        logprobs = self.sampler.logprobs[:len(self.output)] if self.params.logprobs is not None else None
+        logprobs = None
+        if self.params.logprobs is not None:  # (no sampler yet: the request ended before its first token)
+            logprobs = self.sampler.logprobs[:len(self.output)] if self.sampler is not None else []
         completion = Completion(self.detok.text, self.output, self.prompt_ids, self.finish,
                                 self.timings or Timings(), self.stats.as_dict() if self.stats is not None else None,
                                 logprobs)

@@ -6,11 +6,11 @@ from gguf import GGMLQuantizationType as QType
 from fastdecode.config import ModelConfig
 from fastdecode.engine.generate import decode_one_token, prefill
 from fastdecode.kernels import native_ops
-from fastdecode.runners.native_layers import NativeDecoder, native_decoder
 from fastdecode.loading import load_model
 from fastdecode.models.transformer import Transformer
 from fastdecode.quant import KQuantLinear, quantize_model
 from fastdecode.quant.split import RowSplitLinear
+from fastdecode.runners.native_layers import NativeDecoder, native_decoder
 from fastdecode.speculative.draft import Draft
 from tests.helpers.checkpoints import SPECS, VOCAB_SIZE, checkpoint, kquant_gguf, prompt_tokens
 

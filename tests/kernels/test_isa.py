@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdecode.runners import native_layers as native_decoder_module
 from fastdecode.kernels import jit, native_ops, native_ops_for
-from fastdecode.runners.native_layers import native_decoder
 from fastdecode.loading import load_model
 from fastdecode.quant import KQuantLinear, fp4, int4, int8
+from fastdecode.runners import native_layers as native_decoder_module
+from fastdecode.runners.native_layers import native_decoder
 from tests.helpers.checkpoints import checkpoint
 from tests.kernels.test_decoder import run
 from tests.quant.test_kquant import blocks

@@ -14,15 +14,15 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from fastdecode import LLM, SamplingParams
 from fastdecode.config import ModelConfig
-from fastdecode.errors import UnsupportedModelError
 from fastdecode.engine.generate import decode_one_token
-from fastdecode.runners.native_layers import model_supported, native_decoder
+from fastdecode.errors import UnsupportedModelError
 from fastdecode.loading import load_model
 from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_loader import block_tensors
 from fastdecode.loading.gguf_native import ModuleLoader
 from fastdecode.loading.gpt_oss import split_gate_up
 from fastdecode.quant.fp4 import Fp4Linear
+from fastdecode.runners.native_layers import model_supported, native_decoder
 from tests.helpers.checkpoints import max_diff, our_run, prompt_tokens, reference_run, single_thread
 from tests.helpers.gpt_oss import build, gguf_checkpoint, hf_checkpoint
 from tests.kernels.test_decoder import run

@@ -16,10 +16,10 @@ from fastdecode.loading import load_model
 from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_loader import block_tensors
 from fastdecode.loading.gguf_moe import expert_tensors
-from fastdecode.runners.native_layers import stacked_experts
 from fastdecode.loading.gguf_native import load_gguf_native
 from fastdecode.models.moe import Router, SparseMoE
 from fastdecode.quant import Int8Linear, KQuantLinear, quantize_model
+from fastdecode.runners.native_layers import stacked_experts
 from tests.helpers.checkpoints import (checkpoint, kquant_gguf, max_diff, our_run, prompt_tokens, quantized_checkpoint,
                                        reference_run, single_thread)
 from tests.helpers.tiny import logits

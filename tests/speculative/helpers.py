@@ -6,8 +6,8 @@ import torch
 
 from fastdecode.engine.generate import Timings, generate_tokens
 from fastdecode.engine.sampling import Sampler, SamplingParams
-from fastdecode.runners.native_layers import native_decoder
 from fastdecode.quant import quantize_model
+from fastdecode.runners.native_layers import native_decoder
 from fastdecode.speculative.draft import Draft
 from fastdecode.speculative.drafter import Drafter
 from fastdecode.speculative.policy import CostModel
