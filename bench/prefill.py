@@ -8,6 +8,7 @@ time goes (matmuls, attention, the rest).
     .venv/bin/python bench/prefill.py --shapes qwen2.5-coder-1.5b --lengths 512,2048,8192,32000 --runs 1   # not 32768:
                                                                     # the 32k context must hold one more token
     .venv/bin/python bench/prefill.py --baseline-env FASTDECODE_BF16_ATTENTION=0 --peers ''   # A/B a kernel switch
+    .venv/bin/python bench/prefill.py --shapes gemma3-270m --lengths 2048,8192,20000   # a pulled real model
 
 The files are bench/shapes.py's random-weight GGUFs of real shapes (speed depends on shapes and bytes, not values).
 Each run of an engine is a fresh process that loads the file, prefills a 64-token prompt to warm up, then each length
@@ -15,8 +16,9 @@ in turn: a prompt of random token ids drawn anew per run (nothing is found in a 
 is off) timed from the call to the first token (fastdecode `generate(max_tokens=1)`; llama.cpp `eval`, flash
 attention on, batches of 512). The engines alternate within each round, and their order flips every round.
 
-The ceiling is the matrix peak that `fastdecode probe` measures with the library GEMMs (torch: oneDNN), int8 for the
-quantized formats (their kernels multiply int8 activations by integer weights; bf16 beside it), over the prompt's
+The ceiling is the matrix peak that `fastdecode probe` measures: for the quantized formats (their kernels multiply int8
+activations by integer weights) the faster of torch's int8 GEMM and the int8 instructions of the path the kernels take
+(AMX, VNNI or AVX2, in registers: roofline.probe.int8_peak); bf16 (torch's GEMM) beside it; over the prompt's
 FLOPs: 2 per weight per token, causal attention (QK^T and PV), the LM head for the last row only
 (roofline.calc.prefill_ceiling). fastdecode's breakdown comes from its forward's own clock (kernels
 `forward_profile`): matmuls, attention, and the rest (norms, rotary, cache writes, activations) of the forward
@@ -37,7 +39,9 @@ from pathlib import Path
 import numpy as np
 
 from common import command_line, fmt, fmt_range, git_state, machine, markdown_table, stats, write_json
-from shapes import SHAPES, shape_file
+from shapes import SHAPES, file_type, shape_file
+
+from fastdecode.loading.catalog import resolve
 
 WARMUP_TOKENS = 64
 VOCAB_IDS = (100, 40000)  # SmolLM2's tokenizer, which the shape files carry
@@ -116,8 +120,21 @@ def ceilings(path: Path, lengths: list[int], peaks: dict) -> dict:
     from fastdecode.roofline.calc import prefill_ceiling
     from fastdecode.roofline.models import get_model
 
+    from fastdecode.roofline.probe import int8_peak
+
     spec = get_model(str(path))
-    return {n: {p: prefill_ceiling(spec, n, 0, peaks[p]) for p in ("int8", "bf16") if p in peaks} for n in lengths}
+    tops = {"int8": int8_peak(peaks)[0], "bf16": peaks.get("bf16", 0.0)}
+    return {n: {p: prefill_ceiling(spec, n, 0, v) for p, v in tops.items() if v} for n in lengths}
+
+
+def describe_peaks(peaks: dict) -> str:
+    from fastdecode.roofline.probe import int8_peak
+
+    tops, source = int8_peak(peaks)
+    library = ", ".join(f"{k} {peaks[k] * 1e3:,.0f}" for k in ("fp32", "bf16", "int8") if k in peaks)
+    kernels = ", ".join(f"{k} {v * 1e3:,.0f}" for k, v in (peaks.get("kernels") or {}).items())
+    return (f"library GEMMs (G/s): {library}; kernel paths' instructions in registers: {kernels or '-'}; "
+            f"int8 ceiling {tops * 1e3:,.0f} G/s ({source})")
 
 
 def have_llama_cpp() -> bool:
@@ -126,7 +143,8 @@ def have_llama_cpp() -> bool:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="qwen2.5-coder-1.5b,llama-3.1-8b", help=f"of {', '.join(SHAPES)}")
+    p.add_argument("--shapes", default="qwen2.5-coder-1.5b,llama-3.1-8b",
+                   help=f"of {', '.join(SHAPES)}; or a real model: a registered name (gemma3-270m) or a GGUF's path")
     p.add_argument("--types", default="Q4_0", help="GGUF file types (bench/shapes.py): Q4_0, Q8_0, Q4_K, MXFP4")
     p.add_argument("--lengths", default="512,2048,8192",
                    help="prompt tokens (32000 takes minutes a run; the context must hold one token more)")
@@ -150,10 +168,11 @@ def main():
                + (["llama.cpp"] if "llama.cpp" in args.peers.split(",") else []))
     if "llama.cpp" in engines and not have_llama_cpp():
         sys.exit("llama-cpp-python is not installed: `make bench-deps`, or --peers ''")
-    files = [(shape, qtype, shape_file(shape, qtype, print)) for shape in args.shapes.split(",") if shape
-             for qtype in args.types.split(",") if qtype]
+    files = [(shape, file_type(resolve(shape)) or "file", resolve(shape)) if shape not in SHAPES else (shape, qtype, shape_file(shape, qtype, print))
+             for shape in args.shapes.split(",") if shape for qtype in args.types.split(",") if qtype]
+    files = list(dict.fromkeys(files))  # a real model once, whatever --types says
     peaks = matmul_peaks(args.threads)
-    print(f"matrix peaks (TFLOPS; int8: TOPS): {', '.join(f'{k} {v:.3f}' for k, v in peaks.items())}", flush=True)
+    print(f"matrix peaks: {describe_peaks(peaks)}", flush=True)
     results = {f"{shape}-{qtype}": {"file": str(path), "ceiling_tok_s": ceilings(path, lengths, peaks),
                                     "runs": {e: [] for e in engines}} for shape, qtype, path in files}
     for r in range(args.runs):
@@ -190,8 +209,8 @@ def main():
     state = git_state()
     (args.out / "prefill.md").write_text(
         f"# Prefill against the compute ceiling\n\n`{command_line()}` at {state['commit'][:7]}"
-        f"{' (dirty)' if state['dirty'] else ''}, {machine()['cpu']}, {args.threads} threads; matrix peaks "
-        f"(library GEMMs): {', '.join(f'{k} {v * 1e3:,.0f} G/s' for k, v in peaks.items())}.\n\n{table}\n")
+        f"{' (dirty)' if state['dirty'] else ''}, {machine()['cpu']}, {args.threads} threads; matrix peaks: "
+        f"{describe_peaks(peaks)}.\n\n{table}\n")
     print(table)
 
 

@@ -201,34 +201,36 @@ def speed_report(llm, t: Timings) -> Table:
 
 def prefill_rows(llm, t: Timings, matmul_tflops: dict, read_s: float) -> list[tuple[str, str]]:
     """The prefill's ceiling and the share reached: its FLOPs at the matrix peak (quantized weights multiply int8
-    activations: the int8 GEMM's; float ones the faster of fp32 and bf16), or for a short prompt the `read_s` that
+    activations: probe.int8_peak; float ones the faster of fp32 and bf16), or for a short prompt the `read_s` that
     reading the weights once takes. None where the probe or the model's shape is missing."""
     from fastdecode.kernels import kernel_isa, native_ops
     from fastdecode.roofline.calc import prefill_ceiling
     from fastdecode.roofline.models import UnknownModelError, get_model
+    from fastdecode.roofline.probe import int8_peak
 
     computed = t.prompt_tokens - t.cached_tokens
-    integer = llm.quant not in (None, "none", "int8") and "int8" in matmul_tflops  # (--quant int8: float activations)
-    floats = {k: v for k, v in matmul_tflops.items() if k != "int8"}
-    precision = "int8" if integer else max(floats, key=floats.get, default=None)
+    int8_tops, int8_source = int8_peak(matmul_tflops)
+    integer = llm.quant not in (None, "none", "int8") and int8_tops > 0  # (--quant int8: float activations)
+    floats = {k: matmul_tflops[k] for k in ("fp32", "bf16") if k in matmul_tflops}
+    precision = int8_source if integer else max(floats, key=floats.get, default=None)
     if computed <= 0 or precision is None or not t.prefill_tok_s:
         return []
     try:
         spec = get_model(str(llm.path))
     except (UnknownModelError, OSError, ValueError, KeyError):
         return []
-    tflops = matmul_tflops[precision]
+    tflops = int8_tops if integer else floats[precision]
     ceiling = prefill_ceiling(spec, computed, t.cached_tokens, tflops, read_s)
     bound = "memory" if ceiling * read_s >= computed * (1 - 1e-9) else "compute"
     ops = native_ops()
     path = "float" if not integer else "AMX tiles" if ops is not None and ops.amx_int8_ready() else {
         "avx512": "AVX-512 VNNI", "avx2": "AVX2"}.get(kernel_isa(), kernel_isa())
-    bf16 = (llm.decode_path == "native" and ops is not None and ops.bf16_prompt_attention()
-            and spec.heads_dim % 32 == 0)
+    kernel, multiple = ops.prompt_attention() if llm.decode_path == "native" and ops is not None else ("", 0)
+    attention = kernel if kernel and spec.heads_dim % multiple == 0 else "float32"
     return [("matrix peak (probe)", f"{tflops * 1e3:,.0f} G{'OP' if integer else 'FLOP'}/s {precision}"),
             ("prefill ceiling", f"{ceiling:,.0f} tok/s ({bound}-bound)"),
             ("share of prefill ceiling", f"{100 * t.prefill_tok_s / ceiling:.0f}% ({path} kernels, "
-                                         f"{'bf16' if bf16 else 'float32'} prompt attention)")]
+                                         f"{attention} prompt attention)")]
 
 
 @click.command()

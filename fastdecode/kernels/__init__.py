@@ -15,7 +15,8 @@ from fastdecode.kernels.jit import build, kernel_isa, native_enabled
 __all__ = ["kernel_isa", "native_enabled", "native_ops"]
 
 SOURCES = [Path(__file__).with_name(n)
-           for n in ("quant.cpp", "amx.cpp", "kquant.cpp", "fp4.cpp", "decode_step.cpp", "copy.cpp", "bindings.cpp")]
+           for n in ("quant.cpp", "amx.cpp", "kquant.cpp", "fp4.cpp", "decode_step.cpp", "copy.cpp", "peak.cpp",
+                     "bindings.cpp")]
 
 
 @functools.cache

@@ -67,12 +67,6 @@ template <AmxFormat F> struct Traits {
 };
 
 #ifdef __AMX_INT8__
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: C (int32 16 x 16), for A tile i and B tile j, 2 i + j; 4-5: A (16 rows x unit int8); 6-7: B (unit / 4
 // rows x 64 u8).
 void configure_tiles(int64_t unit) {

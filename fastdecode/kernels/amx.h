@@ -16,6 +16,13 @@ constexpr int64_t AMX_MIN_ROWS = 16;
 // The same without the tiles (VNNI or AVX2 over their layout): measured with prefill's shapes (see amx.cpp).
 constexpr int64_t VNNI_MIN_ROWS = 16;
 
+// The 64 bytes _tile_loadconfig reads: palette 1, then per tile its bytes per row and its rows.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
 // Whether this process may use AMX's int8 tiles: a CPU with them, the OS's permission, FASTDECODE_AMX not 0, and this
 // build (the AVX-512 one) has them.
 bool amx_int8_ready();

@@ -23,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include "prompt_blocks.h"
 #include "simd.h"
 
 #define FASTDECODE_BF16 __attribute__((target("avx512bf16")))
@@ -39,7 +40,11 @@ inline bool bf16_attention_ready() {
   return ready;
 }
 
-constexpr int64_t LANES = 16;  // queries a register holds
+inline bool prompt_attention_ready() { return bf16_attention_ready(); }
+
+constexpr const char* PROMPT_ATTENTION = "bf16";
+constexpr int64_t PROMPT_HD_MULTIPLE = 32;  // head sizes the kernel takes
+constexpr int64_t LANES = 16;               // queries a register holds
 
 // 16 floats of a cache row (float32 or float16 bits).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -69,9 +74,10 @@ FASTDECODE_BF16 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
 class PromptAttention {
  public:
   FASTDECODE_BF16 PromptAttention(const float* const* q, int64_t n, int64_t hd, float scale)
-      : n_(n), hd_(hd), pairs_(hd / 2), scale_(scale), blocks_((n + LANES - 1) / LANES) {
+      : n_(n), hd_(hd), pairs_(hd / 2), scale_(scale) {
+    const int64_t blocks = (n + LANES - 1) / LANES;
     // qp: per block of 16 queries, (hd / 2, 16) dwords: pair p of dimensions of lane i's query.
-    qp_.assign(blocks_ * pairs_ * LANES, 0);
+    qp_.assign(blocks * pairs_ * LANES, 0);
     std::vector<uint32_t> row(pairs_);
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t d = 0; d < hd; d += 32)
@@ -114,23 +120,10 @@ class PromptAttention {
   // chunk's partial result m (the largest score), l (the sum of e^(score - m)), then o (hd floats, sum of
   // e^(score - m) v). l == 0: the query sees none of the chunk's keys.
   FASTDECODE_BF16 void chunk(const int64_t* a, const int64_t* e, float* parts) {
-    for (int64_t b = 0; b < blocks_; ++b) {
-      const int64_t i0 = b * LANES, live = std::min(LANES, n_ - i0);
-      int64_t lo = count_, hi = 0;
-      alignas(64) int32_t first[LANES], end[LANES];
-      for (int64_t i = 0; i < LANES; ++i) {
-        first[i] = i < live ? static_cast<int32_t>(a[i0 + i]) : 0;
-        end[i] = i < live ? static_cast<int32_t>(e[i0 + i]) : 0;
-        if (first[i] < end[i]) lo = std::min<int64_t>(lo, first[i]), hi = std::max<int64_t>(hi, end[i]);
-      }
-      float* out = parts + i0 * (hd_ + 2);
-      if (lo >= hi) {
-        for (int64_t i = 0; i < live; ++i) out[i * (hd_ + 2) + 1] = 0.f;
-        continue;
-      }
-      lo &= ~int64_t(15), hi = (hi + 15) & ~int64_t(15);  // whole 16s: pairs and blocks stay aligned to positions
-      block(qp_.data() + b * pairs_ * LANES, lo, hi, first, end, live, out);
-    }
+    // Whole 16s of keys: pairs and blocks stay aligned to positions.
+    for_each_block<LANES>(n_, count_, 16, hd_, a, e, parts, [this](int64_t b, auto... rest) {
+      block(qp_.data() + b * pairs_ * LANES, rest...);
+    });
   }
 
  private:
@@ -197,7 +190,7 @@ class PromptAttention {
 
   int64_t n_, hd_, pairs_;
   float scale_;
-  int64_t blocks_, count_ = 0;
+  int64_t count_ = 0;
   std::vector<uint32_t> qp_, keys_, values_, weights_;
   std::vector<float> scores_, out_;
 };

@@ -1,5 +1,9 @@
 #include <torch/extension.h>
 
+#include <map>
+#include <string>
+#include <tuple>
+
 #include <vector>
 
 namespace fastdecode {
@@ -13,6 +17,7 @@ void q4_pack(at::Tensor out, const at::Tensor& qs, const at::Tensor& scales, con
 void q8_pack(at::Tensor out, const at::Tensor& q, const at::Tensor& scales);
 void fp4_pack(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales);
 bool amx_int8_ready();
+std::map<std::string, double> instruction_peaks(double seconds);
 }  // namespace fastdecode
 
 at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
@@ -25,7 +30,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
                          bool softmax_after_topk);
 
 std::vector<double> forward_profile(bool reset);
-bool bf16_prompt_attention();
+std::tuple<std::string, int64_t> prompt_attention();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &fastdecode::q8_linear, "y = x @ W.T + bias, W 8-bit packed (N/4, K/32, 144) with fp16 block scales and offsets, or Q8_0 pair tiles (N/4, K/64, 272)");
@@ -34,6 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_int8_ready", &fastdecode::amx_int8_ready,
         "whether q4_linear runs 16 rows or more on AMX int8 tiles (a CPU with AMX, allowed by the OS, FASTDECODE_AMX "
         "not 0, the AVX-512 build)");
+  m.def("instruction_peaks", &fastdecode::instruction_peaks, py::arg("seconds") = 0.2,
+        py::call_guard<py::gil_scoped_release>(),
+        "G operations/s of each kernel path's inner instruction in registers on every torch thread (see peak.cpp): "
+        "'fp32 fma', 'int8 avx2' or 'int8 vnni', 'bf16 avx512' and 'int8 amx' where this build and CPU have them");
   m.def("kq_linear", &fastdecode::kq_linear,
         "y = x @ W.T + bias, W a GGUF K-quant (Q4_K, Q5_K, Q6_K) packed (N/4, K/256, 592 | 720 | 840)");
   m.def("fp4_linear", &fastdecode::fp4_linear,
@@ -52,9 +61,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_batch", &forward_batch, py::call_guard<py::gil_scoped_release>(),
         "the new rows of a batch of sequences (decode steps, prompt chunks, draft trees) through every layer over a "
         "paged KV cache (see decode_step.cpp)");
-  m.def("bf16_prompt_attention", &bf16_prompt_attention,
-        "whether forward_batch computes prompt rows' attention with bf16 products (AVX512-BF16, the AVX-512 build, "
-        "FASTDECODE_BF16_ATTENTION not 0) where the head size is a multiple of 32");
+  m.def("prompt_attention", &prompt_attention,
+        "(kernel, head size multiple): how forward_batch computes prompt rows' attention where the head size is a "
+        "multiple of the second: 'bf16' products (AVX512-BF16, the AVX-512 build, FASTDECODE_BF16_ATTENTION not 0), "
+        "'float32 lanes' (the AVX2 build, FASTDECODE_PROMPT_ATTENTION not 0); ('', 0): the float kernel of decode "
+        "rows");
   m.def("forward_profile", &forward_profile, py::arg("reset") = false,
         "forward_batch's (calls, rows, matmul s, attention s, total s) since the last reset (the rest: norms, rotary, "
         "cache writes, activations, residuals)");

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include "attention_bf16.h"
+#include "attention_lanes.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -491,10 +493,10 @@ void attend_plain(const std::vector<const float*>& q, const std::vector<float*>&
   }
 }
 
-#ifdef __AVX512F__
 // Prompt rows' queries q[i] of one sequence and KV group (seeing seen[i], one run of positions each) over chunks
-// [c0, c1) with bf16 products (attention_bf16.h): emit(i, c, partial) as attend_chunks does. Each chunk's keys that
-// any of the queries sees are rounded once for all of them.
+// [c0, c1) with this build's prompt kernel (attention_bf16.h: bf16 products, 16 queries a vector; attention_lanes.h
+// in the AVX2 build: float32, 8 queries a vector): emit(i, c, partial) as attend_chunks does. Each chunk's keys that
+// any of the queries sees are converted once for all of them.
 template <typename KV, typename Emit>
 void attend_prompt(const std::vector<const float*>& q, const std::vector<const Visible*>& seen, const KV* k,
                    const KV* v, const SeqRows& sr, int64_t block_size, int64_t hd, float scale, int64_t c0, int64_t c1,
@@ -526,7 +528,6 @@ void attend_prompt(const std::vector<const float*>& q, const std::vector<const V
     }
   }
 }
-#endif
 
 // Queries q (R, H, hd) of the new rows of every sequence against the cache k, v (K, slots, hd) -> out (R, H, hd).
 // Work items run in parallel, each one KV group's queries of one sequence:
@@ -535,8 +536,9 @@ void attend_prompt(const std::vector<const float*>& q, const std::vector<const V
 //   item instead, its partials kept and folded by the item that finishes the group's last chunk;
 // - a prompt chunk: runs of its (token, head) queries over all their chunks, at least three items per thread.
 // Every way folds the same partials in the same order: a query's result does not depend on the batch or the threads.
-// Prompt rows (a position below its sequence's prompt_end; prompt_end null: none) take attend_prompt's bf16 products
-// where the CPU has them, wherever they fall; generated rows (decode, verify) always take the float kernel.
+// Prompt rows (a position below its sequence's prompt_end; prompt_end null: none) take attend_prompt's kernel (bf16
+// products where the CPU has them; float32 lanes in the AVX2 build), wherever they fall; generated rows (decode,
+// verify) always take the float kernel.
 template <typename KV>
 void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, int64_t S, int64_t hd,
                const std::vector<SeqRows>& seqs, const int64_t* prompt_end, int64_t block_size,
@@ -545,11 +547,7 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
   constexpr int64_t SPLIT_ROWS = 16;  // a sequence of up to this many rows may be split by chunk
   const int64_t group = H / K, threads = at::get_num_threads(), nseq = seqs.size();
   const bool chunked = hd % VW == 0;
-#ifdef __AVX512F__
-  const bool bf16 = hd % 32 == 0 && fastdecode::bf16_attention_ready();
-#else
-  const bool bf16 = false;
-#endif
+  const bool prompt_kernel = hd % fastdecode::PROMPT_HD_MULTIPLE == 0 && fastdecode::prompt_attention_ready();
   std::vector<Visible> seen(R);
   std::vector<std::pair<int64_t, int64_t>> chunks(nseq);  // each sequence's [c0, c1)
   int64_t work = 0, active = 0;
@@ -676,10 +674,10 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
         continue;
       }
       const int64_t n = qs.size();
-      // The item's queries by kernel: prompt rows (bf16 products) and the rest (float), each list's emit mapped back.
+      // The item's queries by kernel: prompt rows (attend_prompt) and the rest (float), each list's emit mapped back.
       by_kernel[0].clear(), by_kernel[1].clear();
       for (int64_t i = 0; i < n; ++i)
-        by_kernel[bf16 && prompt_end && positions[rows[i]] < prompt_end[item.seq] && vis[i]->contiguous()].push_back(i);
+        by_kernel[prompt_kernel && prompt_end && positions[rows[i]] < prompt_end[item.seq] && vis[i]->contiguous()].push_back(i);
       const auto run = [&](auto emit) {
         for (int kind : {0, 1}) {
           const std::vector<int64_t>& which = by_kernel[kind];
@@ -687,12 +685,10 @@ void attention(const float* q, const KV* k, const KV* v, int64_t H, int64_t K, i
           sub_q.clear(), sub_vis.clear();
           for (const int64_t i : which) sub_q.push_back(qs[i]), sub_vis.push_back(vis[i]);
           const auto mapped = [&](int64_t i, int64_t c, const Partial& p) { emit(which[i], c, p); };
-#ifdef __AVX512F__
           if (kind == 1) {
             attend_prompt(sub_q, sub_vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, mapped);
             continue;
           }
-#endif
           if (hd % (8 * VW) == 0)
             attend_chunks<8>(sub_q, sub_vis, kg, vg, sr, block_size, hd, scale, item.c0, item.c1, mapped);
           else if (hd % (4 * VW) == 0)
@@ -887,7 +883,7 @@ struct Timed {  // adds the seconds from its construction to its destruction to 
 // x (R, D) float32 embeddings of the new rows of a batch of sequences -> (R, D) residual stream after the last layer
 // (before the final norm). Sequence b owns rows seq_rows[b]..seq_rows[b + 1], has context[b] tokens in the cache and
 // maps logical position a to slot block_table[b][a / block_size] * block_size + a % block_size, and its positions
-// below prompt_end[b] are its prompt (their attention may take bf16 products; empty: no row is); row r sits at
+// below prompt_end[b] are its prompt (their attention may take the prompt kernel; empty: no row is); row r sits at
 // positions[r] and its keys and values are written to slot slots[r]. A sequence's rows are one decode step, a chunk
 // of its prompt, or a chain or token tree being verified (tree_mask (R, R) bool: row r sees row j of its own sequence
 // iff j is r or an ancestor; empty: every sequence's rows are a causal chain). rope_* are (2, P, hd) cos/sin tables;
@@ -1040,13 +1036,11 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
   return x;
 }
 
-// Whether prompt rows' attention takes bf16 products here (attention_bf16.h; a head size that is a multiple of 32).
-bool bf16_prompt_attention() {
-#ifdef __AVX512F__
-  return fastdecode::bf16_attention_ready();
-#else
-  return false;
-#endif
+// The kernel prompt rows' attention takes here, "bf16" (attention_bf16.h) or "float32 lanes" (attention_lanes.h), and
+// the head sizes it takes (multiples of that); ("", 0) where it is switched off: the float kernel, as for decode rows.
+std::tuple<std::string, int64_t> prompt_attention() {
+  if (!fastdecode::prompt_attention_ready()) return {"", 0};
+  return {fastdecode::PROMPT_ATTENTION, fastdecode::PROMPT_HD_MULTIPLE};
 }
 
 // (forward_batch's calls, their rows, and seconds in matmuls, in attention and in all) since the last reset.

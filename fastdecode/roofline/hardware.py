@@ -99,9 +99,11 @@ def this_machine(bandwidth_gb_s: float, matmul_tflops: dict[str, float] | None =
     weight format gets the best float matmul measured (an engine may compute in whichever is fastest, and a ceiling
     must not be lowered by one slow kernel); the integer formats (int8, int4, fp4: integer dot products on int8
     activations) the int8 one where it is faster."""
+    from fastdecode.roofline.probe import float_peak, int8_peak
+
     speeds = matmul_tflops or {}
-    floats = max((v for k, v in speeds.items() if k != "int8"), default=0.0)
-    integers = max(floats, speeds.get("int8", 0.0))
+    floats = float_peak(speeds)
+    integers = max(floats, int8_peak(speeds)[0])
     label = "this machine" + (f" ({threads} threads)" if threads else "")
     tflops = {p: integers if p in INTEGER_COMPUTE else floats for p in COMPUTE_PRECISIONS}
     return Hardware(
@@ -109,8 +111,8 @@ def this_machine(bandwidth_gb_s: float, matmul_tflops: dict[str, float] | None =
         bandwidth_gb_s=bandwidth_gb_s, tflops={p: v for p, v in tflops.items() if v},
         multi_chip="pp",
         sources={"bandwidth_gb_s": bandwidth_note or "fastdecode probe",
-                 "tflops": "fastdecode probe: best torch matmul (F.linear) in fp32 or bf16; int8 (torch._int_mm) for "
-                           "the integer formats",
+                 "tflops": "fastdecode probe: best torch matmul (F.linear) in fp32 or bf16; for the integer formats "
+                           "the faster of torch._int_mm and the int8 instructions of the kernels' path",
                  "memory_gb": "os.sysconf physical pages"})
 
 

@@ -90,7 +90,45 @@ def measure_matmul(threads: int | None = None, n: int = 1024, repeats: int = 3) 
             result["int8"] = best_of(lambda: torch._int_mm(a, b))
         except (RuntimeError, AttributeError):  # a torch without the CPU kernel: no int8 figure
             pass
+    result["kernels"] = measure_instruction_peaks(threads)
     return result
+
+
+# The paths fastdecode's integer matmuls take, the fastest first: AMX tiles where permitted, else AVX-512 VNNI, else
+# AVX2 (kernels/amx.cpp); instruction_peaks reports only the ones this build and CPU run.
+INTEGER_PATHS = ("int8 amx", "int8 vnni", "int8 avx2")
+
+
+def measure_instruction_peaks(threads: int | None = None, seconds: float = 0.2) -> dict:
+    """T operations/s of each kernel path's inner instruction in registers (kernels/peak.cpp: 'fp32 fma',
+    'int8 avx2' or 'int8 vnni', 'bf16 avx512', 'int8 amx'), over `threads` threads; {} without the native kernels."""
+    from fastdecode.kernels import native_ops
+    from fastdecode.kernels.openmp import torch_threads
+
+    ops = native_ops()
+    if ops is None:
+        return {}
+    with torch_threads(threads):
+        return {k: v / 1e3 for k, v in ops.instruction_peaks(seconds).items()}
+
+
+def float_peak(matmul_tflops: dict) -> float:
+    """The best float matmul measured (library GEMMs, fp32 or bf16), TFLOPS; 0 if none."""
+    return max((matmul_tflops.get(k, 0.0) for k in ("fp32", "bf16")), default=0.0)
+
+
+def int8_peak(matmul_tflops: dict) -> tuple[float, str]:
+    """The integer formats' compute ceiling, T operations/s, and where it comes from: the faster of the library's
+    int8 GEMM (torch._int_mm) and the instruction peak of the path the integer kernels take on this machine. Not the
+    library alone: without AVX-512 torch's int8 GEMM is a scalar loop (2 GOP/s on an AVX2 EPYC whose vpmaddubsw
+    path makes 100 times that). (0, '') where neither was measured."""
+    kernels = matmul_tflops.get("kernels") or {}
+    path = next((p for p in INTEGER_PATHS if p in kernels), None)
+    candidates = {"int8 GEMM (torch)": matmul_tflops.get("int8", 0.0)}
+    if path:
+        candidates[f"{path} instructions"] = kernels[path]
+    source = max(candidates, key=candidates.get)
+    return (candidates[source], source) if candidates[source] > 0 else (0.0, "")
 
 
 def _machine_id() -> str:

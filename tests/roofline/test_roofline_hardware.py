@@ -49,3 +49,5 @@ def test_this_machine_gives_the_int8_peak_to_the_integer_formats_only():
     assert hw.compute_tflops("bf16") == (0.4, "bf16") and hw.compute_tflops("fp32") == (0.4, "fp32")
     slow_int8 = this_machine(28.0, {"fp32": 0.2, "bf16": 0.4, "int8": 0.1})  # never below the float matmuls
     assert slow_int8.compute_tflops("int8") == (0.4, "int8")
+    avx2 = this_machine(28.0, {"fp32": 0.06, "bf16": 0.01, "int8": 0.002, "kernels": {"int8 avx2": 0.12}})
+    assert avx2.compute_tflops("int4") == (0.12, "int4") and avx2.compute_tflops("bf16") == (0.06, "bf16")
