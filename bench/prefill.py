@@ -42,6 +42,7 @@ from common import command_line, fmt, fmt_range, git_state, machine, markdown_ta
 from shapes import SHAPES, file_type, shape_file
 
 from fastdecode.loading.catalog import resolve
+from fastdecode.roofline.probe import describe_peaks, int8_peak
 
 WARMUP_TOKENS = 64
 VOCAB_IDS = (100, 40000)  # SmolLM2's tokenizer, which the shape files carry
@@ -120,21 +121,21 @@ def ceilings(path: Path, lengths: list[int], peaks: dict) -> dict:
     from fastdecode.roofline.calc import prefill_ceiling
     from fastdecode.roofline.models import get_model
 
-    from fastdecode.roofline.probe import int8_peak
-
     spec = get_model(str(path))
     tops = {"int8": int8_peak(peaks)[0], "bf16": peaks.get("bf16", 0.0)}
     return {n: {p: prefill_ceiling(spec, n, 0, v) for p, v in tops.items() if v} for n in lengths}
 
 
-def describe_peaks(peaks: dict) -> str:
-    from fastdecode.roofline.probe import int8_peak
-
-    tops, source = int8_peak(peaks)
-    library = ", ".join(f"{k} {peaks[k] * 1e3:,.0f}" for k in ("fp32", "bf16", "int8") if k in peaks)
-    kernels = ", ".join(f"{k} {v * 1e3:,.0f}" for k, v in (peaks.get("kernels") or {}).items())
-    return (f"library GEMMs (G/s): {library}; kernel paths' instructions in registers: {kernels or '-'}; "
-            f"int8 ceiling {tops * 1e3:,.0f} G/s ({source})")
+def bench_files(shapes: list[str], types: list[str]) -> list[tuple[str, str, Path]]:
+    """(name, file type, path): each shape in each type (bench/shapes.py writes them), a real model once as it is."""
+    files = []
+    for shape in shapes:
+        if shape in SHAPES:
+            files += [(shape, qtype, shape_file(shape, qtype, print)) for qtype in types]
+        else:
+            path = resolve(shape)
+            files.append((shape, file_type(path) or "file", path))
+    return files
 
 
 def have_llama_cpp() -> bool:
@@ -168,11 +169,9 @@ def main():
                + (["llama.cpp"] if "llama.cpp" in args.peers.split(",") else []))
     if "llama.cpp" in engines and not have_llama_cpp():
         sys.exit("llama-cpp-python is not installed: `make bench-deps`, or --peers ''")
-    files = [(shape, file_type(resolve(shape)) or "file", resolve(shape)) if shape not in SHAPES else (shape, qtype, shape_file(shape, qtype, print))
-             for shape in args.shapes.split(",") if shape for qtype in args.types.split(",") if qtype]
-    files = list(dict.fromkeys(files))  # a real model once, whatever --types says
+    files = bench_files([s for s in args.shapes.split(",") if s], [t for t in args.types.split(",") if t])
     peaks = matmul_peaks(args.threads)
-    print(f"matrix peaks: {describe_peaks(peaks)}", flush=True)
+    print(f"matrix peaks: {'; '.join(describe_peaks(peaks))}", flush=True)
     results = {f"{shape}-{qtype}": {"file": str(path), "ceiling_tok_s": ceilings(path, lengths, peaks),
                                     "runs": {e: [] for e in engines}} for shape, qtype, path in files}
     for r in range(args.runs):
@@ -210,7 +209,7 @@ def main():
     (args.out / "prefill.md").write_text(
         f"# Prefill against the compute ceiling\n\n`{command_line()}` at {state['commit'][:7]}"
         f"{' (dirty)' if state['dirty'] else ''}, {machine()['cpu']}, {args.threads} threads; matrix peaks: "
-        f"{describe_peaks(peaks)}.\n\n{table}\n")
+        f"{'; '.join(describe_peaks(peaks))}.\n\n{table}\n")
     print(table)
 
 

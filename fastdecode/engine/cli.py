@@ -206,20 +206,18 @@ def prefill_rows(llm, t: Timings, matmul_tflops: dict, read_s: float) -> list[tu
     from fastdecode.kernels import kernel_isa, native_ops
     from fastdecode.roofline.calc import prefill_ceiling
     from fastdecode.roofline.models import UnknownModelError, get_model
-    from fastdecode.roofline.probe import int8_peak
+    from fastdecode.roofline.probe import float_peak, int8_peak
 
     computed = t.prompt_tokens - t.cached_tokens
-    int8_tops, int8_source = int8_peak(matmul_tflops)
-    integer = llm.quant not in (None, "none", "int8") and int8_tops > 0  # (--quant int8: float activations)
-    floats = {k: matmul_tflops[k] for k in ("fp32", "bf16") if k in matmul_tflops}
-    precision = int8_source if integer else max(floats, key=floats.get, default=None)
-    if computed <= 0 or precision is None or not t.prefill_tok_s:
+    # The integer formats multiply int8 activations (--quant int8 keeps them float).
+    integer = llm.quant not in (None, "none", "int8") and int8_peak(matmul_tflops)[0] > 0
+    tflops, precision = int8_peak(matmul_tflops) if integer else float_peak(matmul_tflops)
+    if computed <= 0 or not precision or not t.prefill_tok_s:
         return []
     try:
         spec = get_model(str(llm.path))
     except (UnknownModelError, OSError, ValueError, KeyError):
         return []
-    tflops = int8_tops if integer else floats[precision]
     ceiling = prefill_ceiling(spec, computed, t.cached_tokens, tflops, read_s)
     bound = "memory" if ceiling * read_s >= computed * (1 - 1e-9) else "compute"
     ops = native_ops()

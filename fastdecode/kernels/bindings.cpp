@@ -3,7 +3,6 @@
 #include <map>
 #include <string>
 #include <tuple>
-
 #include <vector>
 
 namespace fastdecode {

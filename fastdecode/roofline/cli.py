@@ -15,8 +15,8 @@ from fastdecode.roofline.hardware import (THIS_MACHINE, Hardware, get_hardware, 
 from fastdecode.roofline.measured import Measured, read_measured
 from fastdecode.roofline.models import DTYPES, bits_per_weight, get_model
 from fastdecode.roofline.models import load_catalog as catalog_models
-from fastdecode.roofline.probe import (LARGE_BYTES, WORKING_SET_BYTES, cached_probe, int8_peak, measure_bandwidth,
-                                       measure_matmul, save_probe)
+from fastdecode.roofline.probe import (LARGE_BYTES, WORKING_SET_BYTES, cached_probe, describe_peaks,
+                                       measure_bandwidth, measure_matmul, save_probe)
 
 SPECULATION_DEFAULT = (3.0, 0.1)  # --compare's assumed drafter: 3 tokens per step at a tenth of a step's cost
 
@@ -311,13 +311,5 @@ def probe_command(threads, size_mb, large_mb, repeats, as_json):
         t.add_row(_bytes(part["bytes"]), f"{part['gb_s']:.1f}", f"{part['min']:.1f}", f"{part['max']:.1f}")
     console = _console()
     console.print(t)
-    matmul = result["matmul_tflops"]
-    console.print("library matmul (torch, best of 3, 1024x1024): " + ", ".join(
-        f"{k} {matmul[k] * 1e3:,.0f} {'GOP/s' if k == 'int8' else 'GFLOPS'}" for k in ("fp32", "bf16", "int8")
-        if k in matmul))
-    if matmul.get("kernels"):
-        console.print("kernel paths' instruction peaks (in registers): " + ", ".join(
-            f"{k} {v * 1e3:,.0f} G{'OP' if k.startswith('int8') else 'FLOP'}/s" for k, v in matmul["kernels"].items()))
-    peak, source = int8_peak(matmul)
-    if peak:
-        console.print(f"integer formats' ceiling: {peak * 1e3:,.0f} GOP/s ({source})")
+    for line in describe_peaks(result["matmul_tflops"]):  # (library GEMMs: best of 3, 1024 x 1024)
+        console.print(line)

@@ -102,7 +102,7 @@ def this_machine(bandwidth_gb_s: float, matmul_tflops: dict[str, float] | None =
     from fastdecode.roofline.probe import float_peak, int8_peak
 
     speeds = matmul_tflops or {}
-    floats = float_peak(speeds)
+    floats = float_peak(speeds)[0]
     integers = max(floats, int8_peak(speeds)[0])
     label = "this machine" + (f" ({threads} threads)" if threads else "")
     tflops = {p: integers if p in INTEGER_COMPUTE else floats for p in COMPUTE_PRECISIONS}

@@ -112,9 +112,11 @@ def measure_instruction_peaks(threads: int | None = None, seconds: float = 0.2) 
         return {k: v / 1e3 for k, v in ops.instruction_peaks(seconds).items()}
 
 
-def float_peak(matmul_tflops: dict) -> float:
-    """The best float matmul measured (library GEMMs, fp32 or bf16), TFLOPS; 0 if none."""
-    return max((matmul_tflops.get(k, 0.0) for k in ("fp32", "bf16")), default=0.0)
+def float_peak(matmul_tflops: dict) -> tuple[float, str]:
+    """The best float matmul measured (library GEMMs), TFLOPS, and which it is ('fp32' or 'bf16'); (0, '') if none."""
+    floats = {k: matmul_tflops[k] for k in ("fp32", "bf16") if matmul_tflops.get(k)}
+    best = max(floats, key=floats.get, default="")
+    return floats.get(best, 0.0), best
 
 
 def int8_peak(matmul_tflops: dict) -> tuple[float, str]:
@@ -129,6 +131,22 @@ def int8_peak(matmul_tflops: dict) -> tuple[float, str]:
         candidates[f"{path} instructions"] = kernels[path]
     source = max(candidates, key=candidates.get)
     return (candidates[source], source) if candidates[source] > 0 else (0.0, "")
+
+
+def describe_peaks(matmul_tflops: dict) -> list[str]:
+    """measure_matmul's result as lines for people: the library GEMMs, the kernel paths' instruction peaks, the
+    integer formats' ceiling."""
+    lines = ["library matmul (torch): " + ", ".join(
+        f"{k} {matmul_tflops[k] * 1e3:,.0f} {'GOP/s' if k == 'int8' else 'GFLOPS'}" for k in ("fp32", "bf16", "int8")
+        if k in matmul_tflops)]
+    if matmul_tflops.get("kernels"):
+        lines.append("kernel paths' instruction peaks (in registers): " + ", ".join(
+            f"{k} {v * 1e3:,.0f} G{'OP' if k.startswith('int8') else 'FLOP'}/s"
+            for k, v in matmul_tflops["kernels"].items()))
+    peak, source = int8_peak(matmul_tflops)
+    if peak:
+        lines.append(f"integer formats' ceiling: {peak * 1e3:,.0f} GOP/s ({source})")
+    return lines
 
 
 def _machine_id() -> str:
