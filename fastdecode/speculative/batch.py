@@ -60,8 +60,9 @@ class BatchSpeculator:
         best, best_rate = None, 0.0
         for d in state.drafters:
             d.observe(context)
-            proposed = seq.sampler.allowed_draft(d.propose(context, budget))
-            chosen, rate = self.policy.choose(proposed, base_rows=base_rows, base_tokens=base_tokens)
+            promising = self.policy.gate(d.name, base_rows, base_tokens)
+            proposed = seq.sampler.allowed_draft(d.propose(context, budget, promising))
+            chosen, rate = self.policy.choose(proposed, base_rows=base_rows, base_tokens=base_tokens, gated=True)
             if chosen is not None and (best is None or rate > best_rate):
                 best, best_rate = chosen, rate
         state.draft, state.draft_s = best, time.perf_counter() - t0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from fastdecode.engine.generate import prefill
-from fastdecode.engine.sampling import SamplingParams
+from fastdecode.engine.sampling import SamplingParams, draw
 from fastdecode.errors import InvalidRequestError
 from fastdecode.speculative.draft import Draft
 from fastdecode.speculative.drafter import Drafter
@@ -43,7 +43,7 @@ class ChainModelDrafter(Drafter):
     def prepare(self, context: list[int]):
         """Brings the drafter's cache up to date with context[:-1] before drafting."""
 
-    def propose(self, context: list[int], budget: int) -> Draft | None:
+    def propose(self, context: list[int], budget: int, promising=None) -> Draft | None:
         self.prepare(context)
         token, pos = context[-1], len(context) - 1
         tokens, scores, qs, confidence = [], [], [], 1.0
@@ -51,7 +51,7 @@ class ChainModelDrafter(Drafter):
             logits = self.step_logits(token, pos + d).float()
             if self.temperature > 0:
                 q = torch.softmax(logits / self.temperature, -1)
-                token = int(torch.multinomial(q, 1, generator=self.generator))
+                token = draw(q, self.generator)
                 qs.append(q)
             else:
                 q = torch.softmax(logits, -1)

@@ -34,11 +34,11 @@ class NgramDrafter(Drafter):
                 return n, end
         return 0, -1
 
-    def propose(self, context: list[int], budget: int) -> Draft | None:
+    def propose(self, context: list[int], budget: int, promising=None) -> Draft | None:
         n, end = self.match(context)
-        if not n:
-            return None
-        tokens = context[end:end + min(budget, self.max_depth)]
         # A longer match predicts better; the policy calibrates these ranks against what was accepted.
         base = n / (n + 1)
+        if not n or (promising is not None and not promising(base)):
+            return None
+        tokens = context[end:end + min(budget, self.max_depth)]
         return Draft.chain(tokens, [base ** (d + 1) for d in range(len(tokens))], drafter=self.name) if tokens else None

@@ -66,15 +66,22 @@ class SuffixTrie:
 
     def match(self, context: list[int], max_len: int) -> tuple[int, Node | None]:
         """The longest suffix of context (up to max_len tokens) present in the trie *and* followed by something:
-        -> (its length, its node)."""
-        for m in range(min(max_len, len(context), self.depth - 1), 0, -1):
+        -> (its length, its node). The suffixes present are those up to some length (a suffix's own suffixes were
+        inserted with it), so they are walked shortest first until one is missing: on text the trie has not seen,
+        that is after a token or two, not max_len walks."""
+        found: list[Node] = []
+        for m in range(1, min(max_len, len(context), self.depth - 1) + 1):
             node = self.root
             for t in context[len(context) - m:]:
                 node = node.children.get(t)
                 if node is None:
                     break
-            if node is not None and node.children:
-                return m, node
+            if node is None:
+                break
+            found.append(node)
+        for m in range(len(found), 0, -1):
+            if found[m - 1].children:
+                return m, found[m - 1]
         return 0, None
 
 
@@ -134,6 +141,12 @@ class TextIndex:
                 break
             ends, m = longer, m + 1
         return m, Occurrences(text, ends, m, self.depth)
+
+
+def first_scores(node: Node | Occurrences, matched: int) -> list[float]:
+    """The scores grow_tree gives the nodes hanging under the root."""
+    total = sum(c.count for c in node.children.values())
+    return [c.count / total * matched / (matched + 1) for c in node.children.values()]
 
 
 def grow_tree(node: Node | Occurrences, matched: int, budget: int, max_depth: int, min_prob: float,
@@ -206,12 +219,12 @@ class SuffixDrafter(Drafter):
     def observe(self, context: list[int]):
         self.local.extend(context[len(self.local.text):])
 
-    def propose(self, context: list[int], budget: int) -> Draft | None:
+    def propose(self, context: list[int], budget: int, promising=None) -> Draft | None:
         self.observe(context)
         best = None
         for trie in (self.local, self.memory.trie):
             m, node = trie.match(context, self.max_match)
-            if node is None:
+            if node is None or (promising is not None and not any(promising(s) for s in first_scores(node, m))):
                 continue
             draft = grow_tree(node, m, budget, max(1, int(self.depth_per_match * m)), self.min_prob, self.name)
             if trie is self.memory.trie:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdecode.engine.sampling import Sampler
+from fastdecode.engine.sampling import Sampler, draw
 from fastdecode.speculative.draft import Draft
 
 
@@ -63,7 +63,7 @@ def verify_stochastic_chain(draft: Draft, logits: torch.Tensor, sampler: Sampler
         # ... and on rejection from norm(max(0, p - q)), which makes the emitted token exactly p-distributed.
         residual = (p - q).clamp_(min=0)
         residual = residual if residual.sum() > 0 else p
-        y = int(torch.multinomial(residual / residual.sum(), 1, generator=sampler.generator))
+        y = draw(residual, sampler.generator)
         sampler.accept(y, logits[i])
         return Verdict(tokens + [y], path, bonus=False)
     y = sampler.sample(logits[len(draft)])

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from fastdecode.engine.sampling import Sampler, SamplingParams
+from fastdecode.engine.sampling import Sampler, SamplingParams, draw
 from fastdecode.errors import InvalidRequestError
 
 
@@ -11,7 +11,7 @@ def sampler(vocab=8, prompt=(), **kw):
     return Sampler(SamplingParams(**kw), vocab, list(prompt))
 
 
-def draw(s: Sampler, logits: torch.Tensor, n: int) -> torch.Tensor:
+def histogram(s: Sampler, logits: torch.Tensor, n: int) -> torch.Tensor:
     return torch.bincount(torch.tensor([s.sample(logits) for _ in range(n)]), minlength=logits.shape[0])
 
 
@@ -24,9 +24,29 @@ def test_sampling_matches_softmax_distribution():
     # chi-square goodness of fit at 7 degrees of freedom; 24.3 is the 0.001 critical value
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, 0.2, -1.0, 1.5])
     n = 20000
-    counts = draw(sampler(temperature=1.0, seed=0), logits, n).float()
+    counts = histogram(sampler(temperature=1.0, seed=0), logits, n).float()
     expected = torch.softmax(logits, -1) * n
     assert ((counts - expected) ** 2 / expected).sum() < 24.3
+
+
+def test_draw_follows_the_weights_and_never_draws_a_zero():
+    """The inverse-CDF draw over a vocabulary-sized vector: chi-square against the weights (99 degrees of freedom,
+    148.2 is the 0.001 critical value) over the tokens of non-zero weight, which are one in three, and none other."""
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.rand(300, generator=gen) ** 3
+    weights[torch.arange(300) % 3 != 1] = 0
+    n = 60000
+    counts = torch.bincount(torch.tensor([draw(weights, gen) for _ in range(n)]), minlength=300).double()
+    assert counts[weights == 0].sum() == 0
+    expected = (weights / weights.sum() * n)[weights > 0].double()
+    assert ((counts[weights > 0] - expected) ** 2 / expected).sum() < 148.2
+    assert draw(torch.tensor([0.0, 0.0, 2.0]), gen) == 2 and draw(torch.tensor([5.0, 0.0, 0.0]), gen) == 0
+
+
+@pytest.mark.parametrize("weights", [[0.0, 0.0], [float("nan"), 1.0], [float("inf"), 1.0]])
+def test_draw_refuses_weights_with_nothing_to_draw(weights):
+    with pytest.raises(ValueError):
+        draw(torch.tensor(weights))
 
 
 def test_temperature_sharpens_distribution():
@@ -43,7 +63,7 @@ def test_seed_makes_sampling_reproducible():
 
 def test_top_k_keeps_only_k_best():
     logits = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0])
-    counts = draw(sampler(5, temperature=2.0, top_k=2, seed=0), logits, 2000)
+    counts = histogram(sampler(5, temperature=2.0, top_k=2, seed=0), logits, 2000)
     assert counts[2:].sum() == 0 and counts[:2].min() > 0
 
 

@@ -58,7 +58,7 @@ class OracleDrafter(Drafter):
         self.truth, self.vocab, self.tree = truth, vocab, tree
         self.rng = random.Random(seed)
 
-    def propose(self, context, budget):
+    def propose(self, context, budget, promising=None):
         n = len(context)
         right = self.truth[n:n + min(budget, 6)]
         if not right:

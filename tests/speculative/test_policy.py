@@ -1,10 +1,12 @@
 """The adaptive policy: the cost model, calibration of drafter scores, and falling back to plain decoding."""
+import random
+
 import pytest
 
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.kernels import native_ops
 from fastdecode.speculative.draft import Draft
-from fastdecode.speculative.policy import MARGIN, PROBE_GAP, PROBE_NODES, CostModel, Policy
+from fastdecode.speculative.policy import MARGIN, PROBE_GAP, PROBE_NODES, PROBE_SPEND, CostModel, Policy
 from tests.speculative.helpers import plain_tokens, speculative_tokens, tiny_target
 from fastdecode.speculative.drafter import Drafter
 
@@ -28,6 +30,18 @@ def test_cost_model_interpolates_and_follows_observations():
         cost.observe(1, 2.0)  # the machine got twice as slow for plain steps
     assert cost(1) == pytest.approx(2.0, rel=0.01)
     assert cost(2) >= cost(1)  # stays monotone
+
+
+def test_observations_keep_the_costs_in_order_and_move_the_nearest_size():
+    rng = random.Random(0)
+    cost = CostModel([1, 2, 4, 8, 16], [1.0, 1.2, 1.6, 2.4, 4.0])
+    for _ in range(500):
+        tokens, before = rng.randrange(1, 24), list(cost.seconds)
+        version = cost.version
+        cost.observe(tokens, rng.uniform(0.2, 8.0))
+        assert cost.seconds == sorted(cost.seconds) and cost.version == version + 1
+        nearest = min(range(5), key=lambda j: abs(cost.sizes[j] - tokens))
+        assert all(a == b for j, (a, b) in enumerate(zip(before, cost.seconds)) if j < nearest)  # smaller sizes stay
 
 
 def test_confident_drafts_are_verified_and_poor_ones_are_not():
@@ -132,7 +146,7 @@ class WrongDrafter(Drafter):
     """Always confident, always wrong: the adversary that makes naive speculation slower than plain decoding."""
     name = "wrong"
 
-    def propose(self, context, budget):
+    def propose(self, context, budget, promising=None):
         return Draft.chain([(context[-1] + 1 + i) % 128 for i in range(min(budget, 4))], [0.95] * min(budget, 4),
                            drafter=self.name)
 
@@ -148,17 +162,67 @@ def test_adaptive_policy_stops_verifying_a_drafter_that_is_always_wrong():
     assert stats.verify_steps < 0.2 * stats.steps  # a few tries, then plain decode steps
 
 
-def test_probes_are_spaced_out_even_when_many_score_bins_are_untested():
-    """Drafts whose first nodes fall in ten different untested bins, two drafters: without spacing every one of them
+@pytest.mark.parametrize("cost, bins, gap", [
+    # Memory-bound: a probe's row costs 5% of a step. Scores up to 0.2 only, which promise too little to be verified.
+    (CostModel([1, 2, 4, 8], [1.0, 1.05, 1.15, 1.35]), 2, PROBE_GAP),
+    (linear_cost(), 10, 0.5 / PROBE_SPEND),  # compute-bound: half a step, so probes are spaced by their price
+])
+def test_probes_are_spaced_out_even_when_many_score_bins_are_untested(cost, bins, gap):
+    """Drafts whose first nodes fall in different untested bins, two drafters: without spacing every one of them
     would be probed at once, a burst of failed verify steps in one stretch of output."""
-    policy = Policy(linear_cost())
+    policy = Policy(cost)
     probes = []
-    for i in range(10 * PROBE_GAP):
+    for i in range(int(10 * gap)):
         drafter = "ab"[i % 2]
-        score = (i // 2 % 10 + 0.5) / 10
+        score = (i // 2 % bins + 0.5) / 10
         chosen, _ = policy.choose(Draft.chain([1, 2], [score, score * score], drafter=drafter))
         if chosen is not None:
             probes.append(i)
             policy.learn(chosen, [])
     assert len(probes) >= 5  # the bins are still explored
-    assert all(b - a >= PROBE_GAP for a, b in zip(probes, probes[1:]))
+    assert all(b - a >= gap for a, b in zip(probes, probes[1:]))
+    assert min(b - a for a, b in zip(probes, probes[1:])) < 2 * gap
+
+
+def random_draft(rng: random.Random, drafter: str) -> Draft:
+    d = Draft(drafter=drafter)
+    for i in range(rng.randrange(1, 12)):
+        parent = rng.randrange(-1, i) if rng.random() < 0.5 else i - 1
+        base = d.scores[parent] if parent >= 0 else 1.0
+        d.add(rng.randrange(100), parent, base * rng.random() ** (1.0 if parent < 0 else 0.3))
+    return d
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seconds", [[1.0, 1.02, 1.06, 1.14, 1.3], [1.0, 1.3, 1.32, 1.82, 2.8], [1.0, 1.5, 2.5, 4.5, 8.5]])
+def test_the_gate_turns_away_only_drafts_that_choose_would_not_verify(seed, seconds):
+    """A drafter builds no draft when none of its first nodes passes the gate. Two policies in lockstep, one gated
+    and one not, over memory-bound to compute-bound costs and random drafts, base rows and outcomes, must verify the
+    same nodes at every step: the gate is a bound, not a second opinion."""
+    rng = random.Random(seed)
+    gated, plain = Policy(CostModel([1, 2, 4, 8, 16], seconds)), Policy(CostModel([1, 2, 4, 8, 16], list(seconds)))
+    turned_away = 0
+    for step in range(600):
+        drafter = rng.choice("ab")
+        draft = random_draft(rng, drafter)
+        rows = rng.choice([0, 0, 0, 1, 3])
+        tokens = rows * rng.choice([1.0, 1.5])
+        promising = gated.gate(drafter, rows, tokens)
+        first = [s for s, p in zip(draft.scores, draft.parents) if p < 0]
+        if any(promising(s) for s in first):
+            chosen, _ = gated.choose(draft, base_rows=rows, base_tokens=tokens, gated=True)
+        else:
+            chosen, turned_away = None, turned_away + 1
+        expected, _ = plain.choose(draft, base_rows=rows, base_tokens=tokens)
+        assert (chosen.tokens if chosen else None) == (expected.tokens if expected else None), step
+        if chosen is not None:
+            path, node = [], -1  # accepted: a random walk down the chosen nodes
+            while rng.random() < 0.4:
+                children = [i for i, p in enumerate(chosen.parents) if p == node]
+                if not children:
+                    break
+                node = rng.choice(children)
+                path.append(node)
+            gated.learn(chosen, path)
+            plain.learn(chosen, path)
+    assert turned_away > 0  # the bound was put to the test

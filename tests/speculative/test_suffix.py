@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from fastdecode.speculative.suffix import SuffixDrafter, SuffixTrie, TextIndex, grow_tree
+from fastdecode.speculative.suffix import SuffixDrafter, SuffixMemory, SuffixTrie, TextIndex, grow_tree
 
 
 def test_trie_counts_every_suffix_up_to_its_depth():
@@ -38,6 +38,28 @@ def test_match_finds_the_longest_suffix_with_a_continuation():
     trie.insert([9, 1, 2, 3, 4])
     length, node = trie.match([7, 1, 2, 3], max_len=8)
     assert length == 3 and list(node.children) == [4]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_match_is_the_longest_stored_suffix_with_a_continuation(seed):
+    """Against the definition, over requests remembered and evicted: the longest suffix of the context (at most
+    max_len and depth - 1 tokens) that some stored request holds with a token after it."""
+    rng = random.Random(seed)
+    memory = SuffixMemory(depth=rng.choice([3, 6, 24]), max_tokens=rng.choice([20, 200]))
+    for _ in range(rng.randrange(1, 8)):
+        memory.remember([rng.randrange(4) for _ in range(rng.randrange(1, 30))])
+    stored = list(memory.sequences.values())
+    for _ in range(20):
+        context = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
+        max_len = rng.choice([1, 4, 16])
+        expected = 0
+        for m in range(min(max_len, len(context), memory.trie.depth - 1), 0, -1):
+            pattern = context[-m:]
+            if any(s[i:i + m] == pattern for s in stored for i in range(len(s) - m)):
+                expected = m
+                break
+        m, node = memory.trie.match(context, max_len)
+        assert m == expected and (node is None) == (expected == 0)
 
 
 def test_draft_tree_branches_by_frequency():

@@ -99,7 +99,7 @@ class EagleDrafter(FeatureDrafter):
         self.real, self.last = first + T, out[-1:]
 
     @torch.inference_mode()
-    def propose(self, context: list[int], budget: int) -> Draft | None:
+    def propose(self, context: list[int], budget: int, promising=None) -> Draft | None:
         self.catch_up(context)
         if self.last is None or self.real != len(context) - 1:
             return None
@@ -166,7 +166,7 @@ class MTPDrafter(FeatureDrafter):
         self.last_taps, self.real = None, 0
 
     @torch.inference_mode()
-    def propose(self, context: list[int], budget: int) -> Draft | None:
+    def propose(self, context: list[int], budget: int, promising=None) -> Draft | None:
         pending = self.take_pending(len(context) - 2)
         if pending is not None:
             first, taps = pending
