@@ -5,6 +5,8 @@
 #include <tuple>
 #include <vector>
 
+#include "model_shape.h"
+
 namespace fastdecode {
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
@@ -23,10 +25,8 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
                          const at::Tensor& slots, const at::Tensor& seq_rows, const at::Tensor& context,
                          const at::Tensor& prompt_end, const at::Tensor& block_table, int64_t block_size,
                          const at::Tensor& tree_mask,
-                         const at::Tensor& rope_global, const at::Tensor& rope_local, const std::vector<int64_t>& windows,
-                         int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu,
-                         double swiglu_limit, double swiglu_alpha, int64_t top_k, bool norm_topk,
-                         bool softmax_after_topk);
+                         const at::Tensor& rope_global, const at::Tensor& rope_local,
+                         const fastdecode::ModelShape& shape);
 
 std::vector<double> forward_profile(bool reset);
 std::tuple<std::string, int64_t> prompt_attention();
@@ -56,6 +56,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Q8_0 blocks (int8 values, fp16 scales) -> q8_linear's packed pair tiles, written into out");
   m.def("fp4_pack", &fastdecode::fp4_pack, py::call_guard<py::gil_scoped_release>(),
         "MXFP4 blocks (code bytes, E8M0 scale bytes) -> fp4_linear's packed tiles, written into out");
+  using fastdecode::ModelShape;
+  py::class_<ModelShape>(m, "ModelShape", "forward_batch's model-wide arguments (model_shape.h), set by name")
+      .def(py::init<>())
+      .def_readwrite("windows", &ModelShape::windows)
+      .def_readwrite("heads", &ModelShape::heads)
+      .def_readwrite("kv_heads", &ModelShape::kv_heads)
+      .def_readwrite("head_dim", &ModelShape::head_dim)
+      .def_readwrite("eps", &ModelShape::eps)
+      .def_readwrite("attn_scale", &ModelShape::attn_scale)
+      .def_readwrite("sandwich", &ModelShape::sandwich)
+      .def_readwrite("gelu", &ModelShape::gelu)
+      .def_readwrite("swiglu_limit", &ModelShape::swiglu_limit)
+      .def_readwrite("swiglu_alpha", &ModelShape::swiglu_alpha)
+      .def_readwrite("top_k", &ModelShape::top_k)
+      .def_readwrite("norm_topk", &ModelShape::norm_topk)
+      .def_readwrite("softmax_after_topk", &ModelShape::softmax_after_topk);
   // The GIL is released: a server's event loop keeps answering while a step runs.
   m.def("forward_batch", &forward_batch, py::call_guard<py::gil_scoped_release>(),
         "the new rows of a batch of sequences (decode steps, prompt chunks, draft trees) through every layer over a "

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include "attention.h"
+#include "model_shape.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -268,17 +269,17 @@ struct Timed {  // adds the seconds from its construction to its destruction to 
 // positions[r] and its keys and values are written to slot slots[r]. A sequence's rows are one decode step, a chunk
 // of its prompt, or a chain or token tree being verified (tree_mask (R, R) bool: row r sees row j of its own sequence
 // iff j is r or an ancestor; empty: every sequence's rows are a causal chain). rope_* are (2, P, hd) cos/sin tables;
-// windows[l] is layer l's sliding window (0: attends to everything); MoE layers route each row to its top_k experts
-// (see moe); the MLPs' gate is SiLU, GELU, or gpt-oss's clamped SwiGLU where swiglu_limit > 0. Caches are
-// (..., K, slots, hd) per layer, all float32 or all float16.
+// `shape` (model_shape.h) holds the model-wide rest: the heads, each layer's sliding window, the MLPs' gate, the MoE
+// routing (see moe). Caches are (..., K, slots, hd) per layer, all float32 or all float16.
 at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
                          const at::Tensor& slots, const at::Tensor& seq_rows, const at::Tensor& context,
                          const at::Tensor& prompt_end, const at::Tensor& block_table, int64_t block_size,
                          const at::Tensor& tree_mask,
-                         const at::Tensor& rope_global, const at::Tensor& rope_local, const std::vector<int64_t>& windows,
-                         int64_t H, int64_t K, int64_t hd, double eps, double attn_scale, bool sandwich, bool gelu,
-                         double swiglu_limit, double swiglu_alpha, int64_t top_k, bool norm_topk,
-                         bool softmax_after_topk) {
+                         const at::Tensor& rope_global, const at::Tensor& rope_local,
+                         const fastdecode::ModelShape& shape) {
+  const std::vector<int64_t>& windows = shape.windows;
+  const int64_t H = shape.heads, K = shape.kv_heads, hd = shape.head_dim;
+  TORCH_CHECK(H > 0 && K > 0 && hd > 0 && H % K == 0, "the model shape needs heads, kv_heads and head_dim");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (R, D) float32");
   TORCH_CHECK(weights.size() == windows.size() * SLOTS, "weights do not match the layer count");
   const Timed whole(profile.total);
@@ -321,8 +322,8 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
   const bool half = kv_type == at::kHalf;
   at::Tensor h = at::empty({T, D}, x.options()), attn = at::empty({T, qn}, x.options());
   float* Hs = h.data_ptr<float>();
-  const float epsf = static_cast<float>(eps), scale = static_cast<float>(attn_scale);
-  const Gate gate{gelu, static_cast<float>(swiglu_limit), static_cast<float>(swiglu_alpha)};
+  const float epsf = static_cast<float>(shape.eps), scale = static_cast<float>(shape.attn_scale);
+  const Gate gate{shape.gelu, static_cast<float>(shape.swiglu_limit), static_cast<float>(shape.swiglu_alpha)};
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * SLOTS;
     const int64_t S = w[K_CACHE].size(-2), window = windows[l];
@@ -382,7 +383,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
     each_row(T, 2 * D, [&](int64_t t) {
       float* Xt = X + t * D;
       float* Ot = O + t * D;
-      if (sandwich) {
+      if (shape.sandwich) {
         rms_norm(Ot, w[POST_ATTN_NORM].data_ptr<float>(), D, epsf, Ot);
         for (int64_t i = 0; i < D; ++i) Xt[i] += Ot[i];
         rms_norm(Xt, w[PRE_FF_NORM].data_ptr<float>(), D, epsf, Hs + t * D);
@@ -393,9 +394,9 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
     });
     at::Tensor d;
     if (present(w[ROUTER_W])) {
-      TORCH_CHECK(0 < top_k && top_k <= w[ROUTER_W].size(0), "top_k must be within the expert count");
+      TORCH_CHECK(0 < shape.top_k && shape.top_k <= w[ROUTER_W].size(0), "top_k must be within the expert count");
       const Timed timed(profile.matmul);
-      d = moe(h, w, top_k, norm_topk, softmax_after_topk, gate);
+      d = moe(h, w, shape.top_k, shape.norm_topk, shape.softmax_after_topk, gate);
     } else {
       at::Tensor gu;
       {
@@ -410,7 +411,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
     float* Dn = d.data_ptr<float>();
     each_row(T, D, [&](int64_t t) {
       float* Dt = Dn + t * D;
-      if (sandwich) rms_norm(Dt, w[POST_FF_NORM].data_ptr<float>(), D, epsf, Dt);
+      if (shape.sandwich) rms_norm(Dt, w[POST_FF_NORM].data_ptr<float>(), D, epsf, Dt);
       for (int64_t i = 0; i < D; ++i) X[t * D + i] += Dt[i];
     });
   }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fastdecode.kernels import native_ops
-from fastdecode.runners.native_layers import EMPTY, layer_args, layer_weights, model_supported
+from fastdecode.runners.native_layers import EMPTY, layer_weights, model_shape, model_supported
 from fastdecode.runners.batch import Batch
 
 
@@ -14,7 +14,7 @@ class NativeRunner:
 
     def __init__(self, model, ops, kv):
         self.model, self.ops, self.kv = model, ops, kv
-        self.args = layer_args(model)
+        self.shape = model_shape(model, ops)
         self.weights = []
         for layer, block in enumerate(model.layers):
             self.weights += [*layer_weights(block), kv.k[layer], kv.v[layer]]
@@ -30,10 +30,8 @@ class NativeRunner:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """-> final hidden states (R, D), before the final norm."""
-        a, m = self.args, self.model
+        m = self.model
         return self.ops.forward_batch(
             m.embed(batch.tokens), self.weights, batch.positions, batch.slots, batch.seq_rows, batch.context,
             EMPTY if batch.prompt_end is None else batch.prompt_end, batch.block_tables, batch.block_size,
-            EMPTY if batch.tree_mask is None else batch.tree_mask,
-            m.rope_global, m.rope_local, a["windows"], a["H"], a["K"], a["hd"], a["eps"], a["scale"], a["sandwich"],
-            a["gelu"], a["swiglu_limit"], a["swiglu_alpha"], a["top_k"], a["norm_topk"], a["softmax_after_topk"])
+            EMPTY if batch.tree_mask is None else batch.tree_mask, m.rope_global, m.rope_local, self.shape)

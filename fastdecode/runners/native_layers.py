@@ -116,14 +116,19 @@ def model_supported(model) -> bool:
             and layers_ok)
 
 
-def layer_args(model) -> dict:
-    """The model-wide arguments of forward_batch after the per-layer tensors and the batch."""
-    c = model.config
-    return dict(windows=[c.sliding_window if c.is_sliding(i) else 0 for i in range(c.num_hidden_layers)],
-                H=c.num_attention_heads, K=c.num_key_value_heads, hd=c.head_dim, eps=c.rms_norm_eps,
-                scale=c.attention_scale, sandwich=c.family == "gemma3", gelu=c.hidden_act.startswith("gelu"),
-                swiglu_limit=c.swiglu_limit or 0.0, swiglu_alpha=c.swiglu_alpha, top_k=c.num_experts_per_tok,
-                norm_topk=c.norm_topk_prob, softmax_after_topk=c.softmax_after_topk)
+def model_shape(model, ops, layers: slice = slice(None)):
+    """forward_batch's model-wide arguments for the model's `layers` (kernels/model_shape.h: the fields are set by the
+    names declared there, so an unknown one fails here)."""
+    c, shape = model.config, ops.ModelShape()
+    fields = dict(windows=[c.sliding_window if c.is_sliding(i) else 0 for i in range(c.num_hidden_layers)][layers],
+                  heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                  eps=c.rms_norm_eps, attn_scale=c.attention_scale, sandwich=c.family == "gemma3",
+                  gelu=c.hidden_act.startswith("gelu"), swiglu_limit=c.swiglu_limit or 0.0,
+                  swiglu_alpha=c.swiglu_alpha, top_k=c.num_experts_per_tok, norm_topk=c.norm_topk_prob,
+                  softmax_after_topk=c.softmax_after_topk)
+    for name, value in fields.items():
+        setattr(shape, name, value)
+    return shape
 
 
 class NativeDecoder:
@@ -133,7 +138,7 @@ class NativeDecoder:
 
     def __init__(self, model, ops):
         self.model, self.ops = model, ops
-        self.args = layer_args(model)
+        self.shapes: dict[tuple[int, int], object] = {}  # (start, stop) -> the model shape of those layers
         self.gather()
 
     def gather(self):
@@ -182,13 +187,14 @@ class NativeDecoder:
         block is the whole cache."""
         if self.model.layers[0].self_attn.kv_cache.k is not self.cache:
             self.gather()
-        T, a, m = x.shape[0], self.args, self.model
+        T, m = x.shape[0], self.model
+        shape = self.shapes.get((start, stop))
+        if shape is None:
+            shape = self.shapes[start, stop] = model_shape(m, self.ops, slice(start, stop))
         return self.ops.forward_batch(
             x, self.weights[start * SLOTS:stop * SLOTS], positions, torch.arange(slot0, slot0 + T),
             torch.tensor([0, T]), torch.tensor([slot0]), EMPTY, ZERO_TABLE, m.max_seq_len,
-            EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local, a["windows"][start:stop],
-            a["H"], a["K"], a["hd"], a["eps"], a["scale"], a["sandwich"], a["gelu"], a["swiglu_limit"],
-            a["swiglu_alpha"], a["top_k"], a["norm_topk"], a["softmax_after_topk"])
+            EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local, shape)
 
 
 def native_decoder(model) -> NativeDecoder | None:
