@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from fastdecode.speculative.suffix import SuffixDrafter, SuffixMemory, SuffixTrie, TextIndex, grow_tree
+from fastdecode.speculative.suffix import PROMPT_TAIL, SuffixDrafter, SuffixMemory, SuffixTrie, TextIndex, grow_tree
 
 
 def test_trie_counts_every_suffix_up_to_its_depth():
@@ -128,6 +128,22 @@ def test_text_index_matches_and_drafts_as_a_trie_over_the_same_text(seed):
             a = grow_tree(node, m, budget, max_depth, 0.01, "suffix")
             b = grow_tree(occ, m, budget, max_depth, 0.01, "suffix")
             assert (b.tokens, b.parents, b.scores) == (a.tokens, a.parents, a.scores)
+
+
+def test_a_finished_request_leaves_its_output_and_the_prompt_tail_before_it():
+    """A long prompt is not inserted (a later request has its own prompt in its own index): the memory holds the
+    output and the PROMPT_TAIL prompt tokens that lead into it, so a request ending the same way drafts the output."""
+    d = SuffixDrafter()
+    prompt = list(range(1000, 1300))
+    output = [5, 6, 7, 8]
+    d.start(prompt)
+    d.finish(prompt + output)
+    assert d.memory.stored == PROMPT_TAIL + len(output)
+    d.start([1, 2] + prompt[-3:])
+    assert d.propose([1, 2] + prompt[-3:], budget=4).tokens == output
+    early = prompt[:10]  # the prompt's start is not remembered
+    d.start([1, 2] + early)
+    assert d.propose([1, 2] + early, budget=4) is None
 
 
 def test_drafters_remember_earlier_requests_only_within_their_tenant():
