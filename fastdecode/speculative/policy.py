@@ -185,7 +185,7 @@ class Policy:
         if self._least[0] == key:
             return self._least[1]
         tokens, top = base_tokens + 1.0, self.max_nodes
-        bar = (tokens + self.margin) / self.cost(base_rows + 1)  # choose's: plain * (1 + margin / tokens)
+        bar = self._bar(base_rows, base_tokens)
         least = min(bar * self.cost(base_rows + 2) - tokens, (bar * self.cost(base_rows + 1 + top) - tokens) / top)
         for size, seconds in zip(self.cost.sizes, self.cost.seconds):  # runs once a step: no interpolation here
             n = size - base_rows - 1
@@ -193,6 +193,12 @@ class Policy:
                 least = min(least, (bar * seconds - tokens) / n)
         self._least = (key, least)
         return least
+
+    def _bar(self, base_rows: int, base_tokens: float) -> float:
+        """The tokens per second a draft must beat: plain decoding's, raised by the margin on this sequence's own
+        share of the step (a draft must add MARGIN of what its plain row yields)."""
+        tokens = base_tokens + 1.0
+        return tokens / self.cost(base_rows + 1) * (1 + self.margin / tokens)
 
     def _probe_due(self, base_rows: int) -> bool:
         """Probes are PROBE_GAP consultations apart, further where a probe's extra rows cost more than PROBE_SPEND
@@ -221,8 +227,7 @@ class Policy:
         # Parents first: a child's estimate is at most its parent's, ties go to the lower index (parents come first),
         # so order[0] hangs under the root and its score is its conditional score.
         order = sorted(range(len(draft)), key=lambda i: (-est[i], i))[:self.max_nodes]
-        # The margin is on this sequence's own share of the step: a draft must add MARGIN of what its plain row yields.
-        bar = plain * (1 + self.margin / (base_tokens + 1.0))
+        bar = self._bar(base_rows, base_tokens)
         best_n, best_rate, expected = 0, plain, base_tokens + 1.0
         for n, i in enumerate(order, start=1):
             expected += est[i]
