@@ -15,3 +15,8 @@ class UnsupportedModelError(FastdecodeError):
 
 class InvalidRequestError(FastdecodeError):
     """Bad sampling parameters, or a prompt that does not fit the context."""
+
+
+class EngineUnavailable(Exception):
+    """The engine that was serving a request went away (a cluster's replica died mid-stream): not the request's
+    fault, so the server answers 503 and the client may retry."""

@@ -122,8 +122,9 @@ class GrammarProcessor:
     rolled back (speculative decoding) are rolled back."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: list[int],
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, source: str | None = None):
         self.matcher = matcher
+        self.source = source  # the grammar the matcher was compiled from: a cluster's replica compiles it again
         self.vocab_size = vocab_size
         self.eos = frozenset(eos)
         self.bias = bias

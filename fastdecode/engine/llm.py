@@ -224,7 +224,33 @@ def available_memory() -> int:
         return 8 << 30
 
 
-class LLM:
+class Prompts:
+    """Text and chats -> a model's token ids, from its tokenizer and context (`tokenizer`, `context`): what the server
+    asks of an LLM, and of a cluster's ingress (cluster/remote.py), which holds the tokenizer but no model."""
+    tokenizer = context = None
+
+    def context_hint(self) -> str:
+        return self.context.hint()
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return ids
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        """`template_kwargs`: extra variables the chat template reads (e.g. Qwen3's enable_thinking)."""
+        return self.tokenizer.encode(self.render_chat(messages, tools, template_kwargs), add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The chat template's text for `messages`, with the generation prompt (what chat_prompt tokenizes)."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                                  **(template_kwargs or {}))
+
+
+class LLM(Prompts):
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", quant: str | None = None,
                  group_size: int = 32, threads: int | None = None, max_seq_len: int | None = None, native: bool = True,
                  speculate: str = "none", progress=None, log=lambda *a: None, load=load_model,
@@ -317,30 +343,25 @@ class LLM:
             return self.runner.name
         return "native" if self.decoder is not None else "pytorch"
 
-    def context_hint(self) -> str:
-        return self.context.hint()
+    @property
+    def slots(self) -> int:
+        """Requests served at once: the engine's batch; the single-request loop's one."""
+        return self.engine.config.max_batch if self.engine is not None else 1
+
+    @property
+    def streams_on_loop(self) -> bool:
+        """Whether `astream` serves (the engine), or only the blocking `stream` (the single-request loop)."""
+        return self.engine is not None
+
+    def status(self) -> dict:
+        """What /health adds: the engine's requests running and waiting."""
+        if self.engine is None:
+            return {}
+        return {"engine_running": self.engine.num_running, "engine_waiting": self.engine.num_waiting}
 
     @property
     def kv(self) -> KVCache | None:
         return self.engine.kv if self.engine is not None else None
-
-    # ---- prompts -----------------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        return ids
-
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
-        """`template_kwargs`: extra variables the chat template reads (e.g. Qwen3's enable_thinking)."""
-        return self.tokenizer.encode(self.render_chat(messages, tools, template_kwargs), add_special_tokens=False)
-
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> str:
-        """The chat template's text for `messages`, with the generation prompt (what chat_prompt tokenizes)."""
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
-                                                  **(template_kwargs or {}))
 
     # ---- generation --------------------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, logits_processor=None,
@@ -386,10 +407,11 @@ class LLM:
 
     def astream(self, prompt: str | list[int], params: SamplingParams | None = None, logits_processor=None,
                 salt: str = "", tenant: str | None = "",
-                on_prefill: Callable[[int, int], None] | None = None) -> "EngineStream":
+                on_prefill: Callable[[int, int], None] | None = None, session: str | None = None) -> "EngineStream":
         """stream() for an asyncio consumer (call it on the event loop), on the engine: the engine's thread wakes the
         loop when it posts, and no thread waits on the request. Its close() (a client that left, a time limit) ends
-        the request in the engine at its next step, even mid-prefill; so does cancelling the task that reads it."""
+        the request in the engine at its next step, even mid-prefill; so does cancelling the task that reads it.
+        `session` (the conversation a client named) is for a cluster's router; one engine has nothing to route."""
         params, prompt_ids, stop_ids = self._admit(prompt, params)
         seq = self.engine.add_request(prompt_ids, params, logits_processor, stop_ids, salt, tenant)
         return EngineStream(self.engine, seq, ChunkMaker(self.tokenizer, prompt_ids, params, stop_ids), on_prefill)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from fastdecode.engine.progress import PrefillLog
-from fastdecode.errors import FastdecodeError
+from fastdecode.errors import EngineUnavailable, FastdecodeError
 from fastdecode.server.anthropic.routes import messages_routes
 from fastdecode.server.config import ServerConfig
 from fastdecode.server.dashboard import Recorder, dashboard_routes
@@ -45,8 +45,9 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
     config = config or ServerConfig()
     served = ServedModel(llm, config.served_model_name)
     metrics = Metrics()
-    # The engine batches every open stream; the single-request loop (tensor parallelism, model drafters) takes one.
-    scheduler = Scheduler(config.max_queue, metrics, slots=llm.engine.config.max_batch if llm.engine else 1)
+    # The engine batches every open stream (a cluster's replicas each a batch); the single-request loop (tensor
+    # parallelism, model drafters) takes one.
+    scheduler = Scheduler(config.max_queue, metrics, slots=llm.slots)
     recorder = Recorder(llm, scheduler, ceiling)  # the dashboard's last minutes
     started = int(time.time())
 
@@ -70,7 +71,7 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": served.id, "queue_depth": scheduler.waiting}
+        return {"status": "ok", "model": served.id, "queue_depth": scheduler.waiting, **llm.status()}
 
     @app.get("/metrics")
     async def prometheus():
@@ -112,8 +113,10 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
             salt = cache_salt(tenant, job.cache_salt, config.share_prefix_cache)
             args = (job.prompt_ids, job.params, job.logits_processor)
             kw = dict(salt=salt, tenant=tenant, on_prefill=PrefillLog(log))
-            if llm.engine is not None:  # read straight from the engine on this event loop
-                run = scheduler.submit(lambda: llm.astream(*args, **kw), config.request_timeout_s)
+            if llm.streams_on_loop:  # read straight from the engine (or a cluster's replica) on this event loop
+                session = request.headers.get("x-session-affinity") or \
+                    request.headers.get("x-claude-code-session-id") or job.session  # opencode's, Claude Code's
+                run = scheduler.submit(lambda: llm.astream(*args, session=session, **kw), config.request_timeout_s)
             else:  # the single-request loop blocks: a thread of its own reads it
                 run = scheduler.submit(lambda: threaded_stream(lambda cancel: llm.stream(*args, cancel=cancel, **kw)),
                                        config.request_timeout_s)
@@ -139,6 +142,8 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
             return Response(status_code=499)  # nobody reads it
         except QueueTimeout as e:
             raise ApiError(503, str(e), code="timeout", headers={"Retry-After": "1"}) from None
+        except EngineUnavailable as e:
+            raise ApiError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
         except FastdecodeError as e:
             raise ApiError(400, str(e)) from None
         finally:

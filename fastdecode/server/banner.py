@@ -22,7 +22,7 @@ def connect_url(host: str, port: int) -> str:
 
 def banner_lines(llm, served_id: str, model_arg: str, host: str, port: int, config, ceiling: dict | None) -> list[str]:
     url = connect_url(host, port)
-    batch = llm.engine.config.max_batch if llm.engine else 1
+    batch = llm.slots  # a cluster's: every replica's batch
     auth = f", {len(config.tenants())} API key(s) required" if config.tenants() else ""
     lines = [f"{served_id} on {url}/v1 (speculate {llm.speculate}, batch {batch}, queue {config.max_queue}{auth})",
              f"  context    {llm.context.describe()}"]

@@ -46,11 +46,21 @@ from fastdecode.server.security import is_loopback
               help="Seconds a client has to send a request's body, from its headers; past them, 408.")
 @click.option("--expose-speculation-stats", is_flag=True,
               help="Report each response's drafted and accepted token counts (off: they hint at what drafters saw).")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Engine replicas, each with its own --threads, --max-batch and KV cache, behind this one endpoint; "
+                   "each request goes to the replica holding its conversation's prefix (needs Ray Serve: "
+                   "pip install 'fastdecode[cluster]'; docs/cluster.md).")
+@click.option("--min-replicas", type=click.IntRange(min=1), default=None,
+              help="With --max-replicas: scale the replicas between the two on requests in flight.")
+@click.option("--max-replicas", type=click.IntRange(min=1), default=None)
+@click.option("--routing", type=click.Choice(["session-prefix", "round-robin"]), default="session-prefix",
+              show_default=True, help="How --replicas share requests: each to the replica holding its session or "
+                                      "longest prefix (load-bounded), or in turn (the baseline).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 def serve(host, port, api_keys, api_keys_file, share_prefix_cache, served_model_name, max_queue, request_timeout,
           max_body_bytes, max_body_values, max_connections, header_timeout, body_timeout, expose_speculation_stats,
-          log_level, **engine):
+          replicas, min_replicas, max_replicas, routing, log_level, **engine):
     """Serve MODEL over an OpenAI-compatible HTTP API (chat and text completions, tools, streaming)."""
     import uvicorn
 
@@ -68,19 +78,49 @@ def serve(host, port, api_keys, api_keys_file, share_prefix_cache, served_model_
         err.print(f"[yellow]warning: serving on {host} without an API key: anyone who reaches the port can use "
                   "the model[/yellow]")
     engine_model = engine["model"]
-    llm = build_llm(**model_kwargs(engine))
+    model = model_kwargs(engine)
     # Our own lines (what each agent request holds) beside uvicorn's, at the same level.
     logging.basicConfig(format="%(levelname)-9s %(name)s: %(message)s", level=log_level.upper())
-    roofline = ceiling(llm)
-    app = create_app(llm, config, roofline)
+    cluster = None
+    if replicas > 1 or min_replicas or max_replicas:
+        cluster = start_cluster(model, replicas, min_replicas, max_replicas, routing)
+        llm, roofline = cluster.llm, None
+        from fastdecode.cluster.remote import cluster_app
+        app = cluster_app(llm, config)
+    else:
+        llm = build_llm(**model)
+        roofline = ceiling(llm)
+        app = create_app(llm, config, roofline)
     lines = banner_lines(llm, app.state.served.id, engine_model, host, port, config, roofline)
     err.print(f"[cyan]{lines[0]}[/cyan]")
     for line in lines[1:]:
         err.print(line, markup=False, highlight=False, soft_wrap=True)  # whole lines: they are pasted into shells
     quiet_connection_logs()
     limits = connection_limits(config.max_connections, config.header_timeout_s, config.body_timeout_s)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, backlog=limits.backlog,
-                http=functools.partial(GuardedH11Protocol, limits=limits))
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                    backlog=limits.backlog, http=functools.partial(GuardedH11Protocol, limits=limits))
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
+def start_cluster(model: dict, replicas: int, min_replicas: int | None, max_replicas: int | None, routing: str):
+    """The replicas on a local Ray cluster; each takes --threads (default: this machine's cores shared out)."""
+    import os
+
+    from fastdecode.cluster.deployment import ClusterConfig
+    from fastdecode.cluster.serve import LocalCluster
+
+    if (min_replicas is None) != (max_replicas is None) or (min_replicas or 0) > (max_replicas or 0):
+        raise FastdecodeError("--min-replicas and --max-replicas go together, the first no larger than the second")
+    if model.get("tp", 1) > 1:
+        raise FastdecodeError("--replicas and --tp do not combine: replicas add throughput, --tp splits one model")
+    most = max_replicas or replicas
+    model = dict(model, threads=model.get("threads") or max(1, (os.cpu_count() or 1) // most))
+    config = ClusterConfig(model, replicas=min_replicas or replicas, min_replicas=min_replicas,
+                           max_replicas=max_replicas, max_batch=model.pop("max_batch"), routing=routing)
+    return LocalCluster(config, log=lambda msg: err.print(f"[dim]{msg}[/dim]"))
 
 
 def ceiling(llm) -> dict | None:

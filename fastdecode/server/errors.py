@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from fastdecode.errors import FastdecodeError
+from fastdecode.errors import EngineUnavailable, FastdecodeError
 
 log = logging.getLogger(__name__)
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -74,10 +74,12 @@ def internal_error(exc: BaseException, request_id: str | None = None) -> dict:
 
 def stream_failure(exc: BaseException, request_id: str) -> tuple[int, str]:
     """(status, message) of the error event that ends a stream the engine failed mid-way: a request's own mistake
-    (FastdecodeError, whose messages are written for the client) says what it was; anything else is an internal
-    error, logged under the request id."""
+    (FastdecodeError, whose messages are written for the client) says what it was, a lost engine (a cluster's replica)
+    is a 503; anything else is an internal error, logged under the request id."""
     if isinstance(exc, FastdecodeError):
         return 400, sendable(str(exc))
+    if isinstance(exc, EngineUnavailable):
+        return 503, str(exc)
     return 500, internal_error(exc, request_id)["error"]["message"]
 
 

@@ -33,6 +33,7 @@ class EngineRequest:
     reply: ReplyFormat | None = None  # what the reply is parsed for; None: it is plain text
     echo: str | None = None  # prompt text that /v1/completions puts before the output
     cache_salt: str | None = None  # vLLM's: requests share cached prefixes only within one salt (and tenant)
+    session: str | None = None  # the conversation the body names (prompt_cache_key, user): a cluster keeps it on one
 
 
 class ServedModel:
@@ -149,7 +150,8 @@ def chat_request(body: ChatCompletionRequest, served: ServedModel, prompt: ChatP
     processor = logits_processor(body, reply_grammar(body, prompt, served), params, served, ends)
     if ends and not params.ignore_eos:
         params.stop_token_ids, params.ignore_eos = [*params.stop_token_ids, *ends], True
-    return EngineRequest(prompt.ids, params, processor, prompt.reply, cache_salt=body.cache_salt)
+    return EngineRequest(prompt.ids, params, processor, prompt.reply, cache_salt=body.cache_salt,
+                         session=body.prompt_cache_key or body.user)
 
 
 def reply_grammar(body: ChatCompletionRequest, prompt: ChatPrompt, served: ServedModel) -> tuple[str, str] | None:
@@ -204,7 +206,7 @@ def completion_request(body: CompletionRequest, served: ServedModel) -> EngineRe
         echo = prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt_ids)
     params = sampling_params(body, prompt_ids, body.max_tokens, body.logprobs, llm)
     return EngineRequest(prompt_ids, params, logits_processor(body, output_grammar(body), params, served), echo=echo,
-                         cache_salt=body.cache_salt)
+                         cache_salt=body.cache_salt, session=body.user)
 
 
 def message_dict(m) -> dict:
@@ -309,7 +311,7 @@ def logits_processor(body: Sampling, grammar: tuple[str, str] | None, params: Sa
     except FastdecodeError as e:
         raise ApiError(400, str(e), param) from None
     params.ignore_eos = False  # the grammar ends the reply
-    return GrammarProcessor(matcher, served.grammars.vocab_size, eos, bias)
+    return GrammarProcessor(matcher, served.grammars.vocab_size, eos, bias, source)
 
 
 def bias_tensor(logit_bias: dict[str, float], vocab_size: int) -> torch.Tensor:

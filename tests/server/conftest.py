@@ -5,11 +5,14 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 API_KEY = "test-key"
 STARTUP_S = 600  # the first start may build the native kernels
@@ -20,6 +23,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def app_server(app, what: str = "the server"):
+    """`app` served by uvicorn on a thread of this process, on a free port: its base URL, stopped at the end."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, f"{what} did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 class Server:

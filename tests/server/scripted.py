@@ -4,18 +4,15 @@ test sets. The model's weights are random; what it says is the test's, how the s
 from __future__ import annotations
 
 import json
-import threading
-import time
 from contextlib import contextmanager
 
 import torch
-import uvicorn
 
 from fastdecode.engine.llm import LLM
 from fastdecode.server.app import create_app
 from fastdecode.server.config import ServerConfig
 from tests.helpers.chat_models import chat_model
-from tests.server.conftest import free_port
+from tests.server.conftest import app_server
 
 
 class ScriptedLLM:
@@ -51,19 +48,10 @@ class ScriptedLLM:
 def scripted_server(name: str):
     """(llm, base_url) of a server on chat_model(name), stopped at the end of the block."""
     llm = ScriptedLLM(LLM(str(chat_model(name)), max_seq_len=4096, native=False, max_batch=2))
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, ServerConfig()), host="127.0.0.1", port=free_port(),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the scripted server did not start"
-        time.sleep(0.05)
     try:
-        yield llm, f"http://127.0.0.1:{server.config.port}"
+        with app_server(create_app(llm, ServerConfig()), "the scripted server") as base_url:
+            yield llm, base_url
     finally:
-        server.should_exit = True
-        thread.join(30)
         llm.close()
 
 

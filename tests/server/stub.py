@@ -18,7 +18,12 @@ class UnreachableLLM:
     name = MODEL
     max_seq_len = 64
     config = SimpleNamespace(vocab_size=100)
-    engine = None  # no batching engine: the server gives it one slot
+    engine = None  # no batching engine: the server gives it one slot, and reads its blocking stream
+    slots, streams_on_loop = 1, False
+
+    @staticmethod
+    def status() -> dict:
+        return {}
 
     @staticmethod
     def context_hint() -> str:

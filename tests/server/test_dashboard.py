@@ -23,6 +23,7 @@ class TimedLLM:
     """Answers any prompt with two tokens and fixed timings: 8 prompt tokens, 4 of them cached, 3 of 4 drafts
     accepted."""
     name, max_seq_len, engine = "stub", 64, None
+    slots, streams_on_loop = 1, False
     config = SimpleNamespace(vocab_size=100)
     tokenizer = SimpleNamespace(max_token_chars=4)
 

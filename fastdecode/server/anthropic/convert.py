@@ -62,6 +62,9 @@ def chat_body(body: MessagesInput) -> ChatCompletionRequest:
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, ignore_eos=body.ignore_eos)
+        user = (body.metadata or {}).get("user_id")  # Claude Code's names the session: a cluster keeps it on one replica
+        if isinstance(user, str):
+            fields["user"] = user
     return as_chat_request(fields)
 
 

@@ -84,5 +84,5 @@ class MessagesRequest(MessagesInput):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
-    metadata: dict[str, Any] | None = None  # user_id: accepted and ignored
+    metadata: dict[str, Any] | None = None  # user_id: names the session, for a cluster's router
     ignore_eos: bool | None = None  # vLLM's extension, as on Chat Completions: benchmarks and tests

@@ -45,6 +45,8 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
         fields["response_format"] = {"type": fmt.type, **({"json_schema": schema} if fmt.type == "json_schema" else {})}
     if body.parallel_tool_calls is not None:
         fields["parallel_tool_calls"] = body.parallel_tool_calls
+    if body.prompt_cache_key is not None:  # Codex's conversation id: a cluster keeps the conversation on one replica
+        fields["prompt_cache_key"] = body.prompt_cache_key
     return as_chat_request(fields)
 
 

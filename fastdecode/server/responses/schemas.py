@@ -124,6 +124,7 @@ class ResponsesRequest(Lenient):
     previous_response_id: str | None = None  # refused: this server keeps no responses
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None  # names the conversation (Codex's): routing only
 
     @field_validator("instructions", "tools", "tool_choice", "metadata")
     @classmethod
