@@ -83,7 +83,11 @@ class RemoteStream:
             except StopAsyncIteration:
                 self._end()
                 raise
-            except REPLICA_LOST as e:
+            except Exception as e:
+                if self.closed:  # close() cancelled the request (a time limit, a client gone): its end, not an error
+                    raise StopAsyncIteration from None
+                if not isinstance(e, REPLICA_LOST):
+                    raise
                 self._retry_or_fail(e)
                 continue
             if isinstance(item, Started):

@@ -21,6 +21,7 @@ from fastdecode.server.config import ServerConfig
 from tests.server.conftest import app_server
 
 ray = pytest.importorskip("ray", reason="the cluster extra: pip install 'fastdecode[cluster]'")
+from fastdecode.cluster.remote import cluster_app  # noqa: E402 (it imports ray)
 
 MODEL = "smollm2-135m"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -31,7 +32,6 @@ REPLICA_BACK_S = 60  # Ray restarts a killed replica (the model loads in ~2 s; R
 @pytest.fixture(scope="module")
 def cluster(smollm2_path):
     from fastdecode.cluster.deployment import ClusterConfig
-    from fastdecode.cluster.remote import cluster_app
     from fastdecode.cluster.serve import LocalCluster
 
     model = dict(model=str(smollm2_path), dtype=None, quant=None, group_size=32, threads=1, max_seq_len=4096,
@@ -114,6 +114,20 @@ def test_a_grammar_is_compiled_again_on_the_replica(cluster):
     assert r.status_code == 200, r.text
     person = json.loads(r.json()["choices"][0]["message"]["content"])
     assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+
+
+def test_a_time_limit_ends_a_stream_as_on_one_engine(cluster):
+    base_url, llm = cluster
+    app = cluster_app(llm, ServerConfig(served_model_name=MODEL, request_timeout_s=1.0))
+    with app_server(app, "the time-limited server") as short:
+        body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 2000, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        events = []
+        with httpx.stream("POST", f"{short}/v1/completions", json=body, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert not any("error" in e for e in events)
+    finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    assert finish == ["length"] and 0 < events[-1]["usage"]["completion_tokens"] < 2000
 
 
 def test_metrics_count_routing_and_each_replicas_cache(cluster):
