@@ -34,7 +34,7 @@ class RemoteLLM(Prompts):
         self.table = table
         self.slots = slots
         self.name, self.path, self.config = facts["name"], facts["path"], facts["config"]
-        self.context, self.speculate, self.facts = facts["context"], facts["speculate"], facts
+        self.context, self.speculate = facts["context"], facts["speculate"]
         self.max_seq_len = self.context.tokens
         self.tokenizer = load_tokenizer(self.path)
 

@@ -8,6 +8,7 @@ import click
 
 from fastdecode.engine.cli import build_llm, err, model_kwargs, model_options
 from fastdecode.errors import FastdecodeError
+from fastdecode.cluster.routing import POLICIES
 from fastdecode.server.banner import banner_lines
 from fastdecode.server.config import ServerConfig, key_name
 from fastdecode.server.connections import GuardedH11Protocol, connection_limits, quiet_connection_logs
@@ -53,7 +54,7 @@ from fastdecode.server.security import is_loopback
 @click.option("--min-replicas", type=click.IntRange(min=1), default=None,
               help="With --max-replicas: scale the replicas between the two on requests in flight.")
 @click.option("--max-replicas", type=click.IntRange(min=1), default=None)
-@click.option("--routing", type=click.Choice(["session-prefix", "round-robin"]), default="session-prefix",
+@click.option("--routing", type=click.Choice(POLICIES), default=POLICIES[0],
               show_default=True, help="How --replicas share requests: each to the replica holding its session or "
                                       "longest prefix (load-bounded), or in turn (the baseline).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
