@@ -7,6 +7,7 @@ Every engine sees the same conversation: the replies are the first engine's, so 
 
     python bench/agent_session.py                      # SmolLM2-135M, 10 turns, 2 sessions
     python bench/agent_session.py --peers ''           # fastdecode only
+    python bench/agent_session.py --tp 2 --threads 1 --serve-args '--speculate none' --peers ''  # 2 ranks (torchrun)
     python bench/agent_session.py --model ~/.cache/fastdecode/shapes/qwen3-30b-a3b-Q4_0.gguf --serve-args \
         '--speculate none' --no-compare-no-cache --peers ''   # one server: a model that fits in memory once
     python bench/agent_session.py --restart --model ~/.cache/fastdecode/shapes/qwen2.5-coder-1.5b-Q4_0.gguf \
@@ -131,7 +132,8 @@ def main():
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--sessions", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="per rank with --tp")
+    p.add_argument("--tp", type=int, default=1, help="ranks of a tensor-parallel server (torchrun; docs/parallel.md)")
     p.add_argument("--serve-args", default="--quant int4 --speculate none",
                    help="arguments for both fastdecode servers (the threads are added)")
     p.add_argument("--peers", default="llama.cpp", help="comma-separated: llama.cpp, or '' for none")
@@ -158,6 +160,7 @@ def main():
     # No disk tier: a session replayed earlier (the same prompts) would come back from disk, not be prefilled
     # (--restart measures that tier).
     serve = a.serve_args.split() + ["--threads", str(a.threads), "--max-seq-len", "8192", "--kv-disk-gb", "0"]
+    serve += ["--tp", str(a.tp)] if a.tp > 1 else []
     print("starting the servers ...", flush=True)
     engines = [Server("fastdecode", a.model, serve)]
     if a.compare_no_cache:

@@ -4,6 +4,8 @@
     python bench/tp.py            # 3 rounds x 3 timed runs of 64 tokens; writes bench/results/tp.{json,md}
     python bench/tp.py --quick    # smoke run: 1 round x 1 run of 16 tokens; writes bench/results/tp-quick.{json,md}
 
+Each row then answers --users (4) requests at once, each its own prompt: the tok/s they make together.
+
 Every row decodes the same greedy tokens with PyTorch's forward (the path every TP rank takes; the native C++ step
 runs whole models only), plus one reference row with the native step at 2 threads. Each row is its own process
 (or pair of processes under torchrun); rows are timed round-robin, A B C A B C, so drift on a shared machine falls
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import command_line, fmt, fmt_range, machine, markdown_table, stats, write_json
@@ -77,6 +80,11 @@ def worker(args):
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
     runs = [llm.generate(PROMPT, params) for _ in range(args.repeats)]
+    if args.users > 1:  # users at once, each its own prompt: what every output token cost the batch
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.users) as pool:
+            done = list(pool.map(lambda i: llm.generate(f"# user {i}\n{PROMPT}", params), range(args.users)))
+        out["users_tok_s"] = sum(c.timings.output_tokens for c in done) / (time.perf_counter() - t0)
     out.update(tok_s=[c.timings.output_tok_s for c in runs], token_ids=runs[0].token_ids,
                prompt_tokens=runs[0].timings.prompt_tokens, weight_bytes=llm.weight_bytes_per_token(),
                kv_bytes=llm.kv_bytes_per_token(runs[0].timings.prompt_tokens + args.tokens // 2))
@@ -88,7 +96,7 @@ def worker(args):
 def run_row(args, ranks: int, threads: int, native: bool, out: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     cmd = [__file__, "--worker", "--model", args.model, "--threads", str(threads), "--tokens", str(args.tokens),
-           "--repeats", str(args.repeats), "--out", str(out)] + (["--native"] if native else [])
+           "--repeats", str(args.repeats), "--users", str(args.users), "--out", str(out)] + (["--native"] if native else [])
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                *cmd]
@@ -122,6 +130,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row per round")
     p.add_argument("--rounds", type=int, default=3, help="round-robin passes over the rows (a process each)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round x 1 run of 16 tokens, as tp-quick.*")
+    p.add_argument("--users", type=int, default=4, help="then this many requests at once, once per round")
     p.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -142,6 +151,7 @@ def main(argv=None):
                 got = run_row(args, ranks, threads, native, Path(tmp) / "row.json")
                 row = results[label]
                 row["tok_s"] += got["tok_s"]
+                row.setdefault("users_tok_s", []).extend([got["users_tok_s"]] if "users_tok_s" in got else [])
                 row.update({k: got[k] for k in ("token_ids", "prompt_tokens", "weight_bytes", "kv_bytes")})
                 if "allreduce_us" in got:
                     row.setdefault("allreduce_us_runs", []).append(got["allreduce_us"])
@@ -152,6 +162,7 @@ def main(argv=None):
     for label, ranks, threads, native in ROWS:
         row = results[label]
         row["stats"] = stats(row["tok_s"])
+        row["users_stats"] = stats(row["users_tok_s"]) if row["users_tok_s"] else None
         allreduce = stats(row["allreduce_us_runs"])["median"] if "allreduce_us_runs" in row else None
         row["allreduce_us"] = allreduce
         row["roofline"] = predict(args.model, bytes_per_token, context, ranks, threads, allreduce)
@@ -168,7 +179,8 @@ def main(argv=None):
         r = row["roofline"]
         table_rows.append([label, fmt_range(row["stats"]), fmt(row["stats"]["median"] / base, ".2f") + "x",
                            fmt(r["tok_s"], ".0f"), fmt(r["memory_s"] * 1e3, ".1f"), fmt(r["comm_s"] * 1e3, ".2f"),
-                           fmt(row["allreduce_us"], ".0f"), "yes" if row["same_tokens_as_1x1"] else "NO"])
+                           fmt(row["allreduce_us"], ".0f"), "yes" if row["same_tokens_as_1x1"] else "NO",
+                           fmt_range(row["users_stats"]) if row["users_stats"] else "-"])
     md = "\n".join([
         f"# Tensor parallelism on this machine: {args.model}", "",
         f"`{command_line()}`  ",
@@ -176,7 +188,8 @@ def main(argv=None):
         f"{fmt(started['load_avg_1m_at_start'], '.2f')} at start. Greedy decode of {args.tokens} tokens, float32, "
         f"{args.rounds} rounds x {args.repeats} runs per row; output tok/s as median (min-max).", "",
         markdown_table(["row", "output tok/s", "vs 1x1", "roofline tok/s", "roofline memory ms",
-                        "roofline comm ms", "all-reduce us", "same tokens"], table_rows), "",
+                        "roofline comm ms", "all-reduce us", "same tokens", f"{args.users} users, tok/s in all"],
+                       table_rows), "",
         "Roofline: bytes read per token / ranks at the probe's bandwidth for that thread count, plus "
         "(2 x layers + 1) all-reduces at the latency measured between the two ranks (gloo over loopback). "
         "Each TP decode step also broadcasts its command (2 small broadcasts) and all-reduces the embedding.", ""])

@@ -97,7 +97,7 @@ def build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate="
         quant = "none"
     if tp > 1:
         from fastdecode.parallel.cli import build_parallel_llm
-        make, engine = functools.partial(build_parallel_llm, tp), {}  # ranks > 0 follow rank 0, then exit
+        make = functools.partial(build_parallel_llm, tp)  # ranks > 0 follow rank 0, then exit
     return make(model, dtype=dtype or "float32", quant=quant, group_size=group_size,
                 threads=threads, max_seq_len=max_seq_len, speculate=speculate,
                 progress=lambda items: track(items, description="loading weights", console=err, transient=True),

@@ -60,6 +60,9 @@ class KVCache:
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, least recent first
         self.hits = self.queries = 0  # prompt tokens found cached / looked up (the hit rate)
         self.disk = None  # a kv_disk.DiskTier under the pool, or None
+        # move(src, dst) -> None, called with each move before it is made here: tensor parallelism's rank 0 repeats
+        # it on the other ranks' caches, whose slots mirror this one's (parallel/runner.py). None: nothing to tell.
+        self.mirror = None
 
     @classmethod
     def for_model(cls, config, tokens: int, dtype=torch.float32, device=None, block_size: int = BLOCK_SIZE):
@@ -181,6 +184,8 @@ class KVCache:
 
     def move(self, src: list[int], dst: list[int]):
         """Copies the keys and values of slots src to slots dst in every layer (a verified tree's accepted path)."""
+        if self.mirror is not None:
+            self.mirror(src, dst)
         s, d = torch.tensor(src), torch.tensor(dst)
         for k, v in zip(self.k, self.v):
             k[:, d] = k[:, s]

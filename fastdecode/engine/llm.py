@@ -311,21 +311,29 @@ class LLM(Prompts):
 
     def _build_engine(self, native: bool, max_batch: int, kv_cache_gb: float | None, prefix_cache: bool,
                       kv_dtype: torch.dtype, scheduler: SchedulerConfig):
-        per_token = KVCache.bytes_per_token(self.config, kv_dtype)
-        tokens = (int(kv_cache_gb * 1e9) // per_token if kv_cache_gb
-                  else default_kv_tokens(self.config, self.max_seq_len, max_batch, kv_dtype))
+        tokens = self._kv_tokens(kv_cache_gb, max_batch, kv_dtype)
         if tokens < self.max_seq_len:
             raise InvalidRequestError(f"a KV cache of {kv_cache_gb} GB holds {tokens} tokens, fewer than one "
                                       f"sequence of --max-seq-len {self.max_seq_len}")
         self.model.setup_rope(self.max_seq_len)
         kv = KVCache.for_model(self.config, tokens, kv_dtype, self.model.embed_tokens.weight.device)
-        self.runner = build_runner(self.model, kv, native)
+        self.runner = self._runner(kv, native)
         scheduler = replace(scheduler, max_batch=max_batch, prefix_cache=prefix_cache)  # the caller's stays as it is
         self.engine = Engine(self.model, kv, self.runner, self.max_seq_len, scheduler)
         if self.speculate not in (None, "", "none"):
             self.engine.speculator = self.engine.scheduler.speculator = BatchSpeculator.build(
                 self.speculate, self.engine.measure_cost(COST_SIZES))
         release_openmp_workers()  # loading ran here; from now on the engine's thread computes (kernels/openmp.py)
+
+    def _kv_tokens(self, kv_cache_gb: float | None, max_batch: int, kv_dtype: torch.dtype) -> int:
+        """The engine's KV-cache slots: what --kv-cache-gb holds, else default_kv_tokens."""
+        if kv_cache_gb:
+            return int(kv_cache_gb * 1e9) // KVCache.bytes_per_token(self.config, kv_dtype)
+        return default_kv_tokens(self.config, self.max_seq_len, max_batch, kv_dtype)
+
+    def _runner(self, kv: KVCache, native: bool):
+        """The engine's runner (tensor parallelism wraps it: parallel/llm.py)."""
+        return build_runner(self.model, kv, native)
 
     def _attach_disk_tier(self, weights: bytes, cap: int, parts: dict):
         """The prefix cache's disk tier, where $FASTDECODE_HOME/kv can be made: else one warning, and none."""

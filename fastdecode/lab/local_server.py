@@ -25,6 +25,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(args: list[str]) -> list[str]:
+    """The interpreter's arguments before `-m fastdecode.server`: torchrun's, one rank per `--tp`, when asked for."""
+    tp = next((int(args[i + 1]) for i, a in enumerate(args[:-1]) if a == "--tp"), 1)
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp)] if tp > 1 else []
+
+
 class LocalServer:
     def __init__(self, model: str, speculate: str | None = None, serve_args: tuple[str, ...] = (),
                  startup_timeout_s: float = 600.0):
@@ -35,8 +41,9 @@ class LocalServer:
             self.args += ["--speculate", speculate]
         for arg in serve_args:  # each may hold several words: --serve-arg "--quant int4"
             self.args += shlex.split(arg)
-        # `python -m fastdecode.server` is `fastdecode serve` on this interpreter and environment
-        self.command = [sys.executable, "-m", "fastdecode.server", *self.args]
+        # `python -m fastdecode.server` is `fastdecode serve` on this interpreter and environment; `--tp N` runs it
+        # as N ranks under torchrun (docs/parallel.md)
+        self.command = [sys.executable, *torchrun(self.args), "-m", "fastdecode.server", *self.args]
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
 
@@ -45,7 +52,9 @@ class LocalServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command_line(self) -> str:
-        return shlex.join(["fastdecode", "serve", *self.args])
+        launch = torchrun(self.args)
+        prefix = ["torchrun", *launch[2:], "-m", "fastdecode"] if launch else ["fastdecode"]
+        return shlex.join([*prefix, "serve", *self.args])
 
     def __enter__(self) -> LocalServer:
         log = tempfile.NamedTemporaryFile("w+b", prefix="fastdecode-serve-", suffix=".log", delete=False)

@@ -1,10 +1,12 @@
 """Rank 0 drives, the other ranks follow: every forward pass the engine asks of rank 0's model is first broadcast
 as a command, so all ranks run the same pass together (its all-reduces pair up) and only rank 0 samples.
 
-A command is a fixed int64 header, then its payload: the tokens (the sampled token of the step before, or a prompt
-chunk, or a verified draft), their positions and tree mask for a token tree, hidden states for a head-only pass,
-cache slots to move after a tree verify. Engine, speculator and server code above stays single-process: they call
-`Leader` as they would call the model.
+Two ways to drive. The serving engine (parallel/runner.py) sends each step's batch (STEP: the rows, their
+positions, cache slots and block tables, any tree mask) and the paged cache's moves (MOVE_SLOTS); every rank runs
+its runner over its shard and its own paged cache, whose blocks mirror rank 0's. The single-request loop, which the
+model drafters still need, sends model calls (FORWARD, HIDDEN) over each rank's static cache and its moves (MOVE_KV).
+Both send HEAD for the LM head. A command is a fixed int64 header, then its payload. Engine, speculator and server
+code above stays single-process: they call `Leader` as they would call the model.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from fastdecode.errors import FastdecodeError
 from fastdecode.parallel.group import Group
+from fastdecode.runners import Batch
 
 
 class RankFailure(FastdecodeError):
@@ -31,9 +34,12 @@ class Op(IntEnum):
     MOVE_KV = 4  # cache slots src -> dst (the speculator keeps an accepted tree path)
     PING = 5  # nothing: rank 0 is idle but alive
     STOP = 6
+    STEP = 7  # runner.forward(batch): the engine's step
+    MOVE_SLOTS = 8  # the paged cache's slots src -> dst (KVCache.move)
 
 
-# op, start, batch, tokens, all_logits, layers (-1: all), has positions, has tree mask, payload length
+# op, start, batch, tokens, all_logits, layers (-1: all), has positions, has tree mask, payload length. A STEP's
+# header reads: STEP, block-table width, sequences, rows, 0, block size, has prompt_end, has tree mask, payload length.
 HEADER = 9
 
 
@@ -85,6 +91,22 @@ class Leader:
             self._header(Op.MOVE_KV, payload=2 * len(src))
             dist.broadcast(torch.cat([src, dst]).long(), 0, group=self.group.pg)
             move_kv(self.model, src, dst)
+
+    # ---- the engine's interface ----------------------------------------------------------------------------------
+    def step(self, batch: Batch, forward):
+        """Sends the batch, then runs forward(batch) here: every rank's runner makes the same pass."""
+        with self.lock, self.failures():
+            payload = pack(batch)
+            self._header(Op.STEP, batch.block_tables.shape[1], len(batch.context), batch.num_rows, False,
+                         batch.block_size, batch.prompt_end is not None, batch.tree_mask is not None, payload.numel())
+            dist.broadcast(payload, 0, group=self.group.pg)
+            return forward(batch)
+
+    def move_slots(self, src: list[int], dst: list[int]):
+        """Tells the other ranks of a paged-cache move (rank 0's KVCache.mirror): they make it on theirs."""
+        with self.lock, self.failures():
+            self._header(Op.MOVE_SLOTS, payload=2 * len(src))
+            dist.broadcast(torch.tensor(src + dst, dtype=torch.long), 0, group=self.group.pg)
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
     def keep_alive(self, interval_s: float):
@@ -150,6 +172,21 @@ class Leader:
         dist.broadcast(payload, 0, group=self.group.pg)
 
 
+def pack(batch: Batch) -> torch.Tensor:
+    """A batch's tensors as one int64 payload, in the order unpack reads them."""
+    parts = [batch.tokens, batch.positions, batch.slots, batch.seq_rows, batch.context, batch.block_tables]
+    parts += [t for t in (batch.prompt_end, batch.tree_mask) if t is not None]
+    return torch.cat([t.reshape(-1).long() for t in parts])
+
+
+def unpack(payload: torch.Tensor, width: int, B: int, R: int, block_size: int, has_prompt_end: bool,
+           has_mask: bool) -> Batch:
+    sizes = [R, R, R, B + 1, B, B * width, B if has_prompt_end else 0, R * R if has_mask else 0]
+    tokens, positions, slots, seq_rows, context, tables, prompt_end, mask = payload.split(sizes)
+    return Batch(tokens, positions, slots, seq_rows, context, tables.view(B, width), block_size,
+                 mask.view(R, R).bool() if has_mask else None, prompt_end if has_prompt_end else None)
+
+
 def released(tensor: torch.Tensor, timeout_s: float = 1.0):
     """Waits until gloo's worker thread holds no reference to the last tensor broadcast. The worker lets go of a
     broadcast's tensor only after the broadcast has returned, and letting go takes the GIL; when the interpreter is
@@ -161,9 +198,10 @@ def released(tensor: torch.Tensor, timeout_s: float = 1.0):
 
 
 @torch.inference_mode()
-def follow(model, group: Group, dtype: torch.dtype):
-    """A follower's whole life: run each command rank 0 broadcasts, until STOP. A collective that fails (a rank
-    died) or times out raises, which ends this process."""
+def follow(model, group: Group, dtype: torch.dtype, runner=None):
+    """A follower's whole life: run each command rank 0 broadcasts, until STOP. `runner`: this rank's engine runner
+    (over its own paged cache), for STEP and MOVE_SLOTS. A collective that fails (a rank died) or times out raises,
+    which ends this process."""
     header = torch.empty(HEADER, dtype=torch.long)
     while True:
         dist.broadcast(header, 0, group=group.pg)
@@ -183,6 +221,13 @@ def follow(model, group: Group, dtype: torch.dtype):
         if op == Op.MOVE_KV:
             src, dst = payload.chunk(2)
             move_kv(model, src, dst)
+            continue
+        if op == Op.STEP:
+            runner.forward(unpack(payload, start, B, T, layers, bool(has_pos), bool(has_mask)))
+            continue
+        if op == Op.MOVE_SLOTS:
+            src, dst = payload.chunk(2)
+            runner.kv.move(src.tolist(), dst.tolist())
             continue
         tokens, rest = payload[:B * T].view(B, T), payload[B * T:]
         tree = {"positions": rest[:T] if has_pos else None, "layers": None if layers < 0 else layers}

@@ -1,7 +1,8 @@
 """`ParallelLLM`: the LLM API over a model sharded across the ranks of a process group.
 
 Every rank builds one (each loads only its shard); rank 0's is then used like any LLM (generate, stream, chat, a
-server), while every other rank calls `follow()`, which returns when rank 0 calls `close()`.
+server; on the serving engine, through parallel/runner.py), while every other rank calls `follow()`, which returns
+when rank 0 calls `close()`.
 """
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from fastdecode.parallel.driver import Leader, follow
 from fastdecode.parallel.group import DEFAULT_TIMEOUT_S, init_group
 from fastdecode.parallel.load import checkpoint_config, load_shard
 from fastdecode.parallel.plan import ShardPlan
+from fastdecode.parallel.runner import ParallelRunner
 from fastdecode.parallel.shard import install_collectives
+from fastdecode.runners.pytorch import TorchRunner
 from fastdecode.speculative import build_speculator
+from fastdecode.speculative.batch import MODEL_FREE
 from fastdecode.speculative.speculator import Speculator
 
 
@@ -34,8 +38,11 @@ class ParallelSpeculator(Speculator):
 class ParallelLLM(LLM):
     def __init__(self, model: str = DEFAULT_MODEL, tp: int = 2, quant: str | None = None, speculate: str = "none",
                  timeout_s: float = DEFAULT_TIMEOUT_S, on_failure=None, progress=None, log=lambda *a: None, **kw):
-        """kw: LLM's dtype, group_size, threads, max_seq_len. The native C++ decode step runs whole models only,
-        so every rank decodes with PyTorch's forward. `on_failure(error)`: see Leader."""
+        """kw: LLM's dtype, group_size, threads, max_seq_len, and the engine's max_batch, kv_cache_gb, prefix_cache,
+        kv_dtype. Plain decoding and the model-free drafters (ngram, suffix, auto) run on the serving engine, each
+        rank a PyTorch runner over its shard (the native C++ step runs whole models only); the model drafters
+        (layerskip, draft:MODEL, eagle) still run the single-request loop, as in one process. `on_failure(error)`:
+        see Leader."""
         if quant == "gguf":
             raise InvalidRequestError("--quant gguf keeps a GGUF file's whole tensors, which --tp cannot shard: use "
                                       "--quant int8 or int4")
@@ -44,34 +51,59 @@ class ParallelLLM(LLM):
         config = checkpoint_config(resolve(model))[0]
         ShardPlan.build(config, 0, tp)
         self.group = group = init_group(tp, timeout_s)
+        self.on_failure = on_failure
         lead = group.leads
         if kw.get("max_seq_len") is None:  # the ranks must agree: the smallest context any rank's KV budget holds
             budget = kv_budget_tokens(config, DTYPES[kw.get("dtype") or "float32"])
             tokens = torch.tensor([Context.choose(config.max_position_embeddings, None, budget).tokens])
             dist.all_reduce(tokens, dist.ReduceOp.MIN, group=group.pg)
             kw["max_seq_len"] = int(tokens)
+        on_engine = speculate in (None, "", "none", *MODEL_FREE)
+        # Each rank would keep its own shard's blocks on disk, under one name: not built yet, so no disk tier.
+        kw["kv_disk_gb"] = 0
 
         def load(path, dtype, progress, quant):  # quant: float here (see above); LLM quantizes the shard after
             return load_shard(path, group.rank, group.world, dtype, progress)
-        super().__init__(model, quant=quant, native=False, speculate="none", engine=False,
-                         progress=progress if lead else None,
+        # Drafters run on rank 0 only: the others run what its steps send them.
+        super().__init__(model, quant=quant, native=False, speculate=speculate if lead and on_engine else "none",
+                         engine=on_engine, progress=progress if lead else None,
                          log=log if lead else (lambda *a: None), load=load, **kw)
-        install_collectives(self.model, group.pg)
+        if not on_engine:
+            self._join_group()
+            if lead:
+                self.speculate = speculate
+                self.speculator = build_speculator(speculate, self, log, cls=ParallelSpeculator)
         if lead:
-            self.model = Leader(self.model, group, on_failure)
-            self.speculate = speculate
-            self.speculator = build_speculator(speculate, self, log, cls=ParallelSpeculator)
             self.model.keep_alive(group.timeout_s / 2)
+
+    def _join_group(self):
+        """The model's collectives (after any quantization), and on rank 0 the Leader that sends every call."""
+        install_collectives(self.model, self.group.pg)
+        if self.leads:
+            self.model = Leader(self.model, self.group, self.on_failure)
+
+    def _kv_tokens(self, kv_cache_gb, max_batch, kv_dtype) -> int:
+        """Rank 0 hands out blocks for every rank's cache: each must hold as many (an uneven split of the KV heads
+        gives the ranks different bytes per token)."""
+        tokens = torch.tensor([super()._kv_tokens(kv_cache_gb, max_batch, kv_dtype)])
+        dist.all_reduce(tokens, dist.ReduceOp.MIN, group=self.group.pg)
+        return int(tokens)
+
+    def _runner(self, kv, native):
+        self._join_group()
+        runner = TorchRunner(self.model.model if self.leads else self.model, kv)
+        return ParallelRunner(runner, self.model) if self.leads else runner
 
     @property
     def leads(self) -> bool:
         return self.group.leads
 
     def follow(self):
-        """Ranks > 0: run rank 0's forward passes until it closes."""
-        follow(self.model, self.group, DTYPES[self.dtype])
+        """Ranks > 0: run rank 0's steps (or model calls) until it closes."""
+        follow(self.model, self.group, DTYPES[self.dtype], self.runner if self.engine is not None else None)
 
     def close(self):
-        """Rank 0: release the followers (their follow() returns)."""
+        """Rank 0: stop the engine, then release the followers (their follow() returns)."""
         if self.leads:
+            super().close()
             self.model.stop()

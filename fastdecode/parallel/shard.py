@@ -8,8 +8,8 @@ about either.
     lm_head: vocabulary-parallel; an all-gather joins the ranks' logits
 
 Sharding works on real and on meta tensors alike, so the loader can shape a model before any weight is read.
-Collectives go in after quantization: their hooks sit on the Attention and MLP modules and on wrappers around the
-embedding and LM head, which the quantization transform (it swaps nn.Linear children) leaves alone.
+Collectives go in after quantization: their hooks sit on each attention's output projection (whatever the
+quantization transform made of it), on the MLP modules and on wrappers around the embedding and LM head.
 """
 from __future__ import annotations
 
@@ -123,7 +123,8 @@ def install_collectives(model, group):
     """The communication of a sharded model: an all-reduce after attention and after the MLP in every block, one
     in the embedding, an all-gather of the logits. Call once, after any quantization."""
     for block in model.layers:
-        block.self_attn.register_forward_hook(_all_reduce_output(group))
+        # On o_proj, not the attention module: the engine's runner calls Attention.paged, not its forward.
+        block.self_attn.o_proj.register_forward_hook(_all_reduce_output(group))
         block.mlp.register_forward_hook(_all_reduce_output(group))
     model.embed_tokens.group, model.embed_tokens.installed = group, True
     model.lm_head = GatherLogits(model.lm_head, model.shard_plan.vocab_ranges(), group)

@@ -5,13 +5,14 @@ from fastdecode.engine.llm import LLM
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.loading import load_model
 from tests.helpers.checkpoints import checkpoint, single_thread
-from tests.parallel.helpers import MODELS, PROMPT, SPECULATIONS, STEPS
+from tests.parallel.helpers import BATCH, MODELS, PROMPT, SPECULATIONS, STEPS
 from tests.parallel.ranks import WORLD, run_ranks
 from tests.parallel.workers import greedy_run, tiny_models
 
 @pytest.fixture(scope="session")
 def tiny():
-    """{name: {"run": TP=1 and TP=2 model runs, "tokens": TP=1 LLM tokens, spec: (TP=2 tokens, stats)}}."""
+    """{name: {"tp1": {"run": the model's run, "tokens": LLM tokens, "batch": each BATCH prompt's tokens},
+    "tp2": {"run": the sharded model's run, spec: (tokens, stats), "batch": [(tokens, cached tokens)]}}}."""
     with single_thread():
         cases, reference = [], {}
         for name in MODELS:
@@ -19,6 +20,9 @@ def tiny():
             one = LLM(gguf_path, max_seq_len=96)  # TP=1 as users run it (native decode where the model fits)
             tokens = one.generate(PROMPT, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)).token_ids
             reference[name] = {"run": greedy_run(load_model(hf_dir), PROMPT, STEPS), "tokens": tokens}
+            if "batch" in SPECULATIONS[name]:
+                reference[name]["batch"] = [one.generate(p, SamplingParams(max_tokens=STEPS, temperature=0,
+                                                                           ignore_eos=True)).token_ids for p in BATCH]
             cases.append((name, hf_dir, gguf_path, SPECULATIONS[name], tokens))
-    sharded = run_ranks(tiny_models, WORLD, cases, PROMPT, STEPS)
+    sharded = run_ranks(tiny_models, WORLD, cases, PROMPT, STEPS, BATCH)
     return {name: {"tp1": reference[name], "tp2": sharded[name]} for name in MODELS}

@@ -26,8 +26,15 @@ MODELS = ["llama", "qwen2", "gemma3", "mistral", *UNEVEN]
 
 PROMPT = prompt_tokens(24)  # longer than every sliding window
 STEPS = 20
-# auto: suffix trees and n-gram chains; layerskip: shallow hidden + head passes (both drafting at every step, the
-# adaptive policy off: see workers.tiny_models); oracle: tree drafts whose accepted paths move cache entries (see
-# workers.oracle_speculator).
-SPECULATIONS = {name: ["none"] for name in MODELS} | {"qwen2": ["none", "auto"], "llama_uneven": ["none", "oracle"],
-                                                     "gemma3_uneven": ["none", "layerskip", "oracle"]}
+# The engine's batch: 4 requests in flight after the first ran alone; two of them begin with its 40 tokens, whose
+# first 32-token block they find in the cache.
+_LONG = PROMPT + prompt_tokens(16, seed=5)
+BATCH = [_LONG, _LONG + prompt_tokens(9, seed=1), prompt_tokens(17, seed=2), _LONG[:8] + prompt_tokens(21, seed=3),
+         _LONG + prompt_tokens(30, seed=4)]
+# none and auto run on the serving engine (auto: suffix trees and n-gram chains); layerskip on the single-request
+# loop (shallow hidden + head passes); both drafting at every step, the adaptive policy off (see
+# workers.tiny_models). oracle: tree drafts whose accepted paths move cache entries, on the engine (the paged
+# cache's moves) and on the loop (oracle_loop: the static cache's); see workers.oracle_speculator. batch: BATCH.
+SPECULATIONS = {name: ["none"] for name in MODELS} | {
+    "qwen2": ["none", "auto", "batch"], "llama_uneven": ["none", "oracle", "oracle_loop", "batch"],
+    "gemma3_uneven": ["none", "layerskip", "oracle", "batch"]}

@@ -1,19 +1,23 @@
-"""`--tp` on the command line: torchrun runs generate on two ranks and only rank 0 prints; a model that cannot be
-split is one error line; a rank that dies takes the other one down within seconds, it never hangs."""
+"""`--tp` on the command line: torchrun runs generate on two ranks and only rank 0 prints; serve batches requests
+on two ranks; a model that cannot be split is one error line; a rank that dies takes the other one down within
+seconds, it never hangs."""
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
 from fastdecode.cli import main
 from fastdecode.engine.llm import LLM
 from fastdecode.engine.sampling import SamplingParams
+from fastdecode.lab.local_server import LocalServer
 from tests.helpers.checkpoints import checkpoint
 from tests.parallel.ranks import WORLD, free_port
 
@@ -38,6 +42,26 @@ def test_torchrun_generate_tp2_prints_tp1_tokens_once():
     assert len(lines) == 1  # rank 1 prints nothing
     one = LLM(path, max_seq_len=96).generate(prompt, SamplingParams(max_tokens=16, temperature=0))
     assert json.loads(lines[0])["token_ids"] == one.token_ids
+
+
+def test_torchrun_serve_tp2_answers_requests_at_once_as_one_process_does():
+    """`serve --tp 2` (torchrun, as LocalServer launches it): 3 requests at once share the engine's steps, and each
+    reply is the one one process gives it alone."""
+    path = str(checkpoint("llama_uneven").gguf_path)
+    prompts = ["abcabcab", "hello there", "xyzzy xyzzy"]
+    one = LLM(path, max_seq_len=96)
+    want = [one.generate(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)).text for p in prompts]
+    args = "--tp 2 --threads 1 --max-seq-len 96 --speculate none --max-batch 4"
+    with LocalServer(path, serve_args=(args,), startup_timeout_s=120) as server:
+        def complete(prompt: str) -> str:
+            body = {"model": server.model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(complete, prompts))
+        assert httpx.get(f"{server.base_url}/health").json()["engine_running"] == 0
+    assert got == want
 
 
 def config_dir(path: Path, heads: int) -> Path:

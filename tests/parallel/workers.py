@@ -24,19 +24,42 @@ def greedy_run(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list
 
 def oracle_speculator(llm, truth: list[int]):
     """A tree drafter that knows the answer but puts a wrong sibling before each right token, verified in full:
-    accepted paths leave the first branch, so the cache moves of keep_path run on every rank."""
+    accepted paths leave the first branch, so the cache moves of keep_path run on every rank. On the engine
+    ("oracle") its moves go through the paged cache's mirror; on the single-request loop ("oracle_loop", which the
+    model drafters use) through Leader.move_kv."""
     from fastdecode.parallel.llm import ParallelSpeculator
+    from fastdecode.speculative.batch import BatchSpeculator
+    from fastdecode.speculative.policy import Policy
     from tests.speculative.helpers import OracleDrafter, flat_cost
 
-    drafter = OracleDrafter(truth, llm.config.vocab_size, tree=True)
-    return ParallelSpeculator("oracle", llm.model, None, [drafter], llm.max_seq_len, adaptive=False, cost=flat_cost())
+    def drafters(memory=None):
+        return [OracleDrafter(truth, llm.config.vocab_size, tree=True)]
+    if llm.engine is not None:
+        llm.engine.speculator = llm.engine.scheduler.speculator = BatchSpeculator(
+            "oracle", drafters, Policy(flat_cost(), adaptive=False))
+    else:
+        llm.speculator = ParallelSpeculator("oracle", llm.model, None, drafters(), llm.max_seq_len, adaptive=False,
+                                            cost=flat_cost())
 
 
-def tiny_models(rank: int, world: int, cases: list[tuple], prompt: list[int], steps: int) -> dict:
+def concurrent_greedy(llm, prompts: list[list[int]], steps: int) -> list[tuple[list[int], int]]:
+    """Every prompt submitted at once to the engine -> (tokens, cached prompt tokens) per prompt."""
+    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+    streams = [llm.stream(p, params) for p in prompts]
+    out = []
+    for stream in streams:
+        completion = [c for c in stream][-1].completion
+        out.append((completion.token_ids, completion.timings.cached_tokens))
+    return out
+
+
+def tiny_models(rank: int, world: int, cases: list[tuple], prompt: list[int], steps: int,
+                batch: list[list[int]]) -> dict:
     """Each case (name, safetensors dir, GGUF file, speculation settings, TP=1 tokens): the sharded model's prefill
     and cached greedy decode from safetensors (every rank runs it; their collectives pair up), then ParallelLLM from
-    GGUF, rank 0 driving, once per speculation setting. -> {name: {"run": greedy_run(), spec: (tokens, speculation
-    stats)}} on rank 0."""
+    GGUF, rank 0 driving, once per speculation setting. "batch": the `batch` prompts at once (after one of them
+    alone, so the others find its prefix cached). -> {name: {"run": greedy_run(), spec: (tokens, speculation
+    stats), "batch": [(tokens, cached tokens)] }} on rank 0."""
     from fastdecode.parallel.llm import ParallelLLM
 
     out = {}
@@ -44,29 +67,36 @@ def tiny_models(rank: int, world: int, cases: list[tuple], prompt: list[int], st
         model = install_collectives(load_shard(hf_dir, rank, world), None)
         out[name] = {"run": greedy_run(model, prompt, steps)}
         for spec in speculations:
-            llm = ParallelLLM(gguf_path, tp=world, max_seq_len=96, speculate="none" if spec == "oracle" else spec,
-                              timeout_s=60)
-            if llm.leads:
-                if spec == "oracle":
-                    llm.speculator = oracle_speculator(llm, prompt + truth)
-                elif llm.speculator is not None:
-                    # Draft at every step: the adaptive policy weighs measured step times, so whether it drafts in a
-                    # 16-token run would depend on how busy the machine is (test_speculation_under_tp_... flaked).
-                    llm.speculator.policy.adaptive = False
-                c = llm.generate(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
-                llm.close()
-                out[name][spec] = (c.token_ids, c.speculation)
-            else:
+            speculate = {"oracle": "none", "oracle_loop": "layerskip", "batch": "none"}.get(spec, spec)
+            llm = ParallelLLM(gguf_path, tp=world, max_seq_len=96, speculate=speculate, timeout_s=60)
+            if not llm.leads:
                 llm.follow()
+                continue
+            if spec.startswith("oracle"):
+                oracle_speculator(llm, prompt + truth)
+            elif llm.engine is not None and llm.engine.speculator is not None:
+                llm.engine.speculator.policy.adaptive = False  # draft at every step (see below)
+            elif llm.speculator is not None:
+                # Draft at every step: the adaptive policy weighs measured step times, so whether it drafts in a
+                # 16-token run would depend on how busy the machine is (test_speculation_under_tp_... flaked).
+                llm.speculator.policy.adaptive = False
+            if spec == "batch":
+                first = concurrent_greedy(llm, batch[:1], steps)
+                out[name][spec] = first + concurrent_greedy(llm, batch[1:], steps)
+            else:
+                c = llm.generate(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+                out[name][spec] = (c.token_ids, c.speculation)
+            llm.close()
     return out
 
 
 def real_model(rank: int, world: int, path: str, plain: str, speculative: str, max_tokens: int) -> dict:
     """ParallelLLM on a real model, rank 0 answering one prompt with plain decoding and another with n-gram
-    speculation (the drafter on rank 0; a flat verify cost instead of the start-up measurement, to save time)."""
-    from fastdecode.parallel.llm import ParallelLLM, ParallelSpeculator
-    from fastdecode.speculative.ngram import NgramDrafter
-    from fastdecode.speculative.policy import CostModel
+    speculation on the engine (the drafter on rank 0; a flat verify cost instead of the start-up measurement, to
+    save time)."""
+    from fastdecode.parallel.llm import ParallelLLM
+    from fastdecode.speculative.batch import MODEL_FREE, BatchSpeculator
+    from fastdecode.speculative.policy import CostModel, Policy
 
     llm = ParallelLLM(path, tp=world, max_seq_len=256, timeout_s=60)
     if not llm.leads:
@@ -74,8 +104,8 @@ def real_model(rank: int, world: int, path: str, plain: str, speculative: str, m
         return {}
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     out = {"none": llm.generate(plain, params).token_ids}
-    llm.speculator = ParallelSpeculator("ngram", llm.model, None, [NgramDrafter()], llm.max_seq_len,
-                                        cost=CostModel([1, 64], [1.0, 1.0]))
+    llm.engine.speculator = llm.engine.scheduler.speculator = BatchSpeculator(
+        "ngram", MODEL_FREE["ngram"], Policy(CostModel([1, 64], [1.0, 1.0])))
     completion = llm.generate(speculative, params)
     llm.close()
     return {**out, "ngram": completion.token_ids, "accepted": completion.speculation["accepted"]}

@@ -1,0 +1,21 @@
+"""Tensor parallelism as a runner: rank 0's engine steps through `ParallelRunner`, which sends each step's batch to
+the other ranks before running its own shard; every rank runs the same runner over its shard of the model and its
+own paged KV cache (its KV heads only), whose blocks rank 0's scheduler hands out for all of them. So tensor
+parallelism gets what one process gets from the engine: batching, the prefix cache, chunked prefill, model-free
+speculation. The model's collectives (parallel/shard.py) pair up inside the layers; the LM head goes through the
+Leader too (Op.HEAD), as does every move the engine makes in the cache (KVCache.mirror)."""
+from __future__ import annotations
+
+from fastdecode.parallel.driver import Leader
+from fastdecode.runners import Batch
+
+
+class ParallelRunner:
+    def __init__(self, runner, leader: Leader):
+        self.runner, self.leader = runner, leader
+        self.kv, self.name = runner.kv, runner.name
+        self.kv.mirror = leader.move_slots
+
+    def forward(self, batch: Batch):
+        """-> this rank's final hidden states (R, D), the same on every rank after the layers' all-reduces."""
+        return self.leader.step(batch, self.runner.forward)
