@@ -6,8 +6,8 @@
 
 Each row then answers --users (4) requests at once, each its own prompt: the tok/s they make together.
 
-Every row decodes the same greedy tokens with PyTorch's forward (the path every TP rank takes; the native C++ step
-runs whole models only), plus one reference row with the native step at 2 threads. Each row is its own process
+Every row decodes the same greedy tokens, with PyTorch's modules or with the native C++ step (which under TP calls
+the all-reduce after each layer's attention and MLP). Each row is its own process
 (or pair of processes under torchrun); rows are timed round-robin, A B C A B C, so drift on a shared machine falls
 on all of them alike.
 
@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list of integers.\"\"\"\n"
 # (label, ranks, threads per rank, native C++ step)
 ROWS = [("1 rank x 1 thread", 1, 1, False), ("1 rank x 2 threads", 1, 2, False),
-        ("2 ranks x 1 thread", 2, 1, False), ("1 rank x 2 threads, native step", 1, 2, True)]
+        ("2 ranks x 1 thread", 2, 1, False), ("1 rank x 2 threads, native step", 1, 2, True),
+        ("2 ranks x 1 thread, native step", 2, 1, True)]
 
 
 # ---- worker: one row, one process per rank ------------------------------------------------------------------------
@@ -71,7 +72,7 @@ def worker(args):
 
         init_group(world)
         out["allreduce_us"] = allreduce_us(checkpoint_config(resolve(args.model))[0].hidden_size)
-        llm = ParallelLLM(args.model, tp=world, threads=args.threads, max_seq_len=512)
+        llm = ParallelLLM(args.model, tp=world, threads=args.threads, max_seq_len=512, native=args.native)
         if not llm.leads:
             llm.follow()
             return

@@ -1,5 +1,7 @@
+#include <pybind11/functional.h>
 #include <torch/extension.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <tuple>
@@ -26,7 +28,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
                          const at::Tensor& prompt_end, const at::Tensor& block_table, int64_t block_size,
                          const at::Tensor& tree_mask,
                          const at::Tensor& rope_global, const at::Tensor& rope_local,
-                         const fastdecode::ModelShape& shape);
+                         const fastdecode::ModelShape& shape, const std::function<void(at::Tensor)>& reduce);
 
 std::vector<double> forward_profile(bool reset);
 std::tuple<std::string, int64_t> prompt_attention();
@@ -73,7 +75,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("norm_topk", &ModelShape::norm_topk)
       .def_readwrite("softmax_after_topk", &ModelShape::softmax_after_topk);
   // The GIL is released: a server's event loop keeps answering while a step runs.
-  m.def("forward_batch", &forward_batch, py::call_guard<py::gil_scoped_release>(),
+  // `reduce` (None, or a Python callable on a tensor: a tensor-parallel all-reduce) takes the GIL when called.
+  m.def("forward_batch", &forward_batch, py::arg("x"), py::arg("weights"), py::arg("positions"), py::arg("slots"),
+        py::arg("seq_rows"), py::arg("context"), py::arg("prompt_end"), py::arg("block_table"),
+        py::arg("block_size"), py::arg("tree_mask"), py::arg("rope_global"), py::arg("rope_local"),
+        py::arg("shape"), py::arg("reduce") = py::none(), py::call_guard<py::gil_scoped_release>(),
         "the new rows of a batch of sequences (decode steps, prompt chunks, draft trees) through every layer over a "
         "paged KV cache (see decode_step.cpp)");
   m.def("prompt_attention", &prompt_attention,

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <numeric>
@@ -270,13 +271,15 @@ struct Timed {  // adds the seconds from its construction to its destruction to 
 // of its prompt, or a chain or token tree being verified (tree_mask (R, R) bool: row r sees row j of its own sequence
 // iff j is r or an ancestor; empty: every sequence's rows are a causal chain). rope_* are (2, P, hd) cos/sin tables;
 // `shape` (model_shape.h) holds the model-wide rest: the heads, each layer's sliding window, the MLPs' gate, the MoE
-// routing (see moe). Caches are (..., K, slots, hd) per layer, all float32 or all float16.
+// routing (see moe). Caches are (..., K, slots, hd) per layer, all float32 or all float16. `reduce`, when set, sums
+// a (R, D) partial output across tensor-parallel ranks in place: each layer's attention output projection and MLP are
+// one rank's shard of the whole (parallel/shard.py), so their outputs go through it before the residual add.
 at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& positions,
                          const at::Tensor& slots, const at::Tensor& seq_rows, const at::Tensor& context,
                          const at::Tensor& prompt_end, const at::Tensor& block_table, int64_t block_size,
                          const at::Tensor& tree_mask,
                          const at::Tensor& rope_global, const at::Tensor& rope_local,
-                         const fastdecode::ModelShape& shape) {
+                         const fastdecode::ModelShape& shape, const std::function<void(at::Tensor)>& reduce) {
   const std::vector<int64_t>& windows = shape.windows;
   const int64_t H = shape.heads, K = shape.kv_heads, hd = shape.head_dim;
   TORCH_CHECK(H > 0 && K > 0 && hd > 0 && H % K == 0, "the model shape needs heads, kv_heads and head_dim");
@@ -379,6 +382,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
       const Timed timed(profile.matmul);
       o = linear(attn, w[O_W], w[O_B]);
     }
+    if (reduce) reduce(o);
     float* O = o.data_ptr<float>();
     each_row(T, 2 * D, [&](int64_t t) {
       float* Xt = X + t * D;
@@ -408,6 +412,7 @@ at::Tensor forward_batch(at::Tensor x, const std::vector<at::Tensor>& weights, c
       const Timed timed(profile.matmul);
       d = linear(gu.narrow(1, 0, I), w[DOWN_W], w[DOWN_B]);
     }
+    if (reduce) reduce(d);
     float* Dn = d.data_ptr<float>();
     each_row(T, D, [&](int64_t t) {
       float* Dt = Dn + t * D;

@@ -18,7 +18,7 @@ from fastdecode.parallel.load import checkpoint_config, load_shard
 from fastdecode.parallel.plan import ShardPlan
 from fastdecode.parallel.runner import ParallelRunner
 from fastdecode.parallel.shard import install_collectives
-from fastdecode.runners.pytorch import TorchRunner
+from fastdecode.runners import build_runner
 from fastdecode.speculative import build_speculator
 from fastdecode.speculative.batch import MODEL_FREE
 from fastdecode.speculative.speculator import Speculator
@@ -39,10 +39,10 @@ class ParallelLLM(LLM):
     def __init__(self, model: str = DEFAULT_MODEL, tp: int = 2, quant: str | None = None, speculate: str = "none",
                  timeout_s: float = DEFAULT_TIMEOUT_S, on_failure=None, progress=None, log=lambda *a: None, **kw):
         """kw: LLM's dtype, group_size, threads, max_seq_len, and the engine's max_batch, kv_cache_gb, prefix_cache,
-        kv_dtype. Plain decoding and the model-free drafters (ngram, suffix, auto) run on the serving engine, each
-        rank a PyTorch runner over its shard (the native C++ step runs whole models only); the model drafters
-        (layerskip, draft:MODEL, eagle) still run the single-request loop, as in one process. `on_failure(error)`:
-        see Leader."""
+        kv_dtype, native. Plain decoding and the model-free drafters (ngram, suffix, auto) run on the serving engine,
+        each rank the native C++ step over its shard where the kernels are built (else PyTorch's modules), its
+        layers' outputs all-reduced; the model drafters (layerskip, draft:MODEL, eagle) still run the single-request
+        loop with PyTorch's modules, as in one process. `on_failure(error)`: see Leader."""
         if quant == "gguf":
             raise InvalidRequestError("--quant gguf keeps a GGUF file's whole tensors, which --tp cannot shard: use "
                                       "--quant int8 or int4")
@@ -65,7 +65,9 @@ class ParallelLLM(LLM):
         def load(path, dtype, progress, quant):  # quant: float here (see above); LLM quantizes the shard after
             return load_shard(path, group.rank, group.world, dtype, progress)
         # Drafters run on rank 0 only: the others run what its steps send them.
-        super().__init__(model, quant=quant, native=False, speculate=speculate if lead and on_engine else "none",
+        # The single-request loop's native decoder runs whole models only (it has no all-reduce): PyTorch's there.
+        native = kw.pop("native", True) and on_engine
+        super().__init__(model, quant=quant, native=native, speculate=speculate if lead and on_engine else "none",
                          engine=on_engine, progress=progress if lead else None,
                          log=log if lead else (lambda *a: None), load=load, **kw)
         if not on_engine:
@@ -90,8 +92,12 @@ class ParallelLLM(LLM):
         return int(tokens)
 
     def _runner(self, kv, native):
+        """The runner of one process over this rank's shard, the native step's layers summed across the ranks by
+        `reduce`; on rank 0 wrapped to send each step to the others."""
         self._join_group()
-        runner = TorchRunner(self.model.model if self.leads else self.model, kv)
+        pg = self.group.pg
+        runner = build_runner(self.model.model if self.leads else self.model, kv, native,
+                              reduce=lambda partial: dist.all_reduce(partial, group=pg))
         return ParallelRunner(runner, self.model) if self.leads else runner
 
     @property

@@ -1,9 +1,10 @@
 """Tensor parallelism as a runner: rank 0's engine steps through `ParallelRunner`, which sends each step's batch to
-the other ranks before running its own shard; every rank runs the same runner over its shard of the model and its
-own paged KV cache (its KV heads only), whose blocks rank 0's scheduler hands out for all of them. So tensor
-parallelism gets what one process gets from the engine: batching, the prefix cache, chunked prefill, model-free
-speculation. The model's collectives (parallel/shard.py) pair up inside the layers; the LM head goes through the
-Leader too (Op.HEAD), as does every move the engine makes in the cache (KVCache.mirror)."""
+the other ranks before running its own shard; every rank runs the same runner (the native step with an all-reduce
+callback, or PyTorch's modules) over its shard of the model and its own paged KV cache (its KV heads only), whose
+blocks rank 0's scheduler hands out for all of them. So tensor parallelism gets what one process gets from the
+engine: batching, the prefix cache, chunked prefill, model-free speculation. The layers' all-reduces pair up across
+the ranks; the LM head goes through the Leader too (Op.HEAD), as does every move the engine makes in the cache
+(KVCache.mirror)."""
 from __future__ import annotations
 
 from fastdecode.parallel.driver import Leader

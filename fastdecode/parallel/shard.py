@@ -9,7 +9,8 @@ about either.
 
 Sharding works on real and on meta tensors alike, so the loader can shape a model before any weight is read.
 Collectives go in after quantization: their hooks sit on each attention's output projection (whatever the
-quantization transform made of it), on the MLP modules and on wrappers around the embedding and LM head.
+quantization transform made of it), on the MLP modules and on wrappers around the embedding and LM head. The native
+C++ step runs a layer without those modules' forward, so it is handed the same all-reduce (parallel/llm.py).
 """
 from __future__ import annotations
 

@@ -27,3 +27,10 @@ def test_tp2_engine_batch_equals_tp1_alone_and_finds_the_shared_prefix(tiny, nam
     cached = [c for _, c in runs]
     assert cached[0] == 0 and cached[1] == cached[4] == 32  # the first's whole block (kv_cache.BLOCK_SIZE)
     assert cached[2] == cached[3] == 0
+
+
+def test_the_engine_under_tp_runs_the_native_step_where_it_is_built(tiny):
+    from fastdecode.kernels import native_ops
+
+    paths = {tiny[name]["tp2"]["decode_path"] for name in MODELS if "batch" in SPECULATIONS[name]}
+    assert paths == {"native" if native_ops() is not None else "pytorch"}

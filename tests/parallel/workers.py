@@ -83,6 +83,7 @@ def tiny_models(rank: int, world: int, cases: list[tuple], prompt: list[int], st
             if spec == "batch":
                 first = concurrent_greedy(llm, batch[:1], steps)
                 out[name][spec] = first + concurrent_greedy(llm, batch[1:], steps)
+                out[name]["decode_path"] = llm.decode_path
             else:
                 c = llm.generate(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
                 out[name][spec] = (c.token_ids, c.speculation)
