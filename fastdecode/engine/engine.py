@@ -129,9 +129,9 @@ class Engine:
             if w.seq.first_scheduled is None:
                 w.seq.first_scheduled = t0
         try:
-            batch, logit_rows = self._batch(work)
+            batch = self._batch(work)
             hidden = self.runner.forward(batch)
-            logits = self.model.head(hidden[logit_rows]) if logit_rows else None
+            logits = self.model.head(hidden[batch.logit_rows]) if batch.logit_rows.numel() else None
         except Exception as e:  # the forward failed: every sequence in it ends with the error
             log.exception("engine step failed")
             for w in work:
@@ -143,8 +143,8 @@ class Engine:
         self.steps += 1
         return True
 
-    def _batch(self, work: list[Work]) -> tuple[Batch, list[int]]:
-        """The step's rows, and which of them need logits."""
+    def _batch(self, work: list[Work]) -> Batch:
+        """The step's rows, with which of them need logits."""
         tokens, positions, slots, seq_rows, context, masks, logit_rows = [], [], [], [0], [], [], []
         prompt_end = [len(w.seq.prompt_ids) for w in work]
         for w in work:
@@ -172,9 +172,9 @@ class Engine:
             tree_mask = torch.zeros(R, R, dtype=torch.bool)
             for (r0, r1), m in zip(zip(seq_rows, seq_rows[1:]), masks):
                 tree_mask[r0:r1, r0:r1] = m if m is not None else torch.ones(r1 - r0, r1 - r0, dtype=torch.bool).tril()
-        batch = Batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), torch.tensor(seq_rows),
-                      torch.tensor(context), tables, self.kv.block_size, tree_mask, torch.tensor(prompt_end))
-        return batch, logit_rows
+        return Batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), torch.tensor(seq_rows),
+                     torch.tensor(context), tables, self.kv.block_size, tree_mask, torch.tensor(prompt_end),
+                     torch.tensor(logit_rows, dtype=torch.long))
 
     def _postprocess(self, work: list[Work], logits: torch.Tensor | None, seconds: float):
         row = 0
@@ -271,8 +271,9 @@ class Engine:
         def forward(n: int, start: int = context):
             batch = Batch(torch.tensor(probe_tokens(n, self.model.config.vocab_size)), torch.arange(start, start + n),
                           torch.tensor(self.kv.slots(table, start, start + n)), torch.tensor([0, n]),
-                          torch.tensor([start]), torch.tensor([table.blocks]), self.kv.block_size)
-            self.model.head(self.runner.forward(batch))
+                          torch.tensor([start]), torch.tensor([table.blocks]), self.kv.block_size,
+                          logit_rows=torch.arange(n))
+            self.model.head(self.runner.forward(batch)[batch.logit_rows])
 
         try:
             if context:

@@ -2,10 +2,10 @@
 as a command, so all ranks run the same pass together (its all-reduces pair up) and only rank 0 samples.
 
 Two ways to drive. The serving engine (parallel/runner.py) sends each step's batch (STEP: the rows, their
-positions, cache slots and block tables, any tree mask) and the paged cache's moves (MOVE_SLOTS); every rank runs
-its runner over its shard and its own paged cache, whose blocks mirror rank 0's. The single-request loop, which the
-model drafters still need, sends model calls (FORWARD, HIDDEN) over each rank's static cache and its moves (MOVE_KV).
-Both send HEAD for the LM head. A command is a fixed int64 header, then its payload. Engine, speculator and server
+positions, cache slots and block tables, any tree mask, the rows that need logits) and the paged cache's moves
+(MOVE_SLOTS); every rank runs its runner over its shard and its own paged cache, whose blocks mirror rank 0's, then
+its slice of the LM head on those rows. The single-request loop, which the model drafters still need, sends model
+calls (FORWARD, HIDDEN, HEAD) over each rank's static cache and its moves (MOVE_KV). A command is a fixed int64 header, then its payload. Engine, speculator and server
 code above stays single-process: they call `Leader` as they would call the model.
 """
 from __future__ import annotations
@@ -39,7 +39,8 @@ class Op(IntEnum):
 
 
 # op, start, batch, tokens, all_logits, layers (-1: all), has positions, has tree mask, payload length. A STEP's
-# header reads: STEP, block-table width, sequences, rows, 0, block size, has prompt_end, has tree mask, payload length.
+# header reads: STEP, block-table width, sequences, rows, logit rows, block size, has prompt_end, has tree mask,
+# payload length.
 HEADER = 9
 
 
@@ -94,10 +95,12 @@ class Leader:
 
     # ---- the engine's interface ----------------------------------------------------------------------------------
     def step(self, batch: Batch, forward):
-        """Sends the batch, then runs forward(batch) here: every rank's runner makes the same pass."""
+        """Sends the batch, then runs forward(batch) here: every rank's runner makes the same pass, and the other
+        ranks then their slice of the LM head on its logit rows, as the engine does here next (its all-gather)."""
         with self.lock, self.failures():
             payload = pack(batch)
-            self._header(Op.STEP, batch.block_tables.shape[1], len(batch.context), batch.num_rows, False,
+            logit_rows = 0 if batch.logit_rows is None else batch.logit_rows.numel()
+            self._header(Op.STEP, batch.block_tables.shape[1], len(batch.context), batch.num_rows, logit_rows,
                          batch.block_size, batch.prompt_end is not None, batch.tree_mask is not None, payload.numel())
             dist.broadcast(payload, 0, group=self.group.pg)
             return forward(batch)
@@ -175,16 +178,16 @@ class Leader:
 def pack(batch: Batch) -> torch.Tensor:
     """A batch's tensors as one int64 payload, in the order unpack reads them."""
     parts = [batch.tokens, batch.positions, batch.slots, batch.seq_rows, batch.context, batch.block_tables]
-    parts += [t for t in (batch.prompt_end, batch.tree_mask) if t is not None]
+    parts += [t for t in (batch.prompt_end, batch.tree_mask, batch.logit_rows) if t is not None]
     return torch.cat([t.reshape(-1).long() for t in parts])
 
 
-def unpack(payload: torch.Tensor, width: int, B: int, R: int, block_size: int, has_prompt_end: bool,
-           has_mask: bool) -> Batch:
-    sizes = [R, R, R, B + 1, B, B * width, B if has_prompt_end else 0, R * R if has_mask else 0]
-    tokens, positions, slots, seq_rows, context, tables, prompt_end, mask = payload.split(sizes)
+def unpack(payload: torch.Tensor, width: int, B: int, R: int, logit_rows: int, block_size: int,
+           has_prompt_end: bool, has_mask: bool) -> Batch:
+    sizes = [R, R, R, B + 1, B, B * width, B if has_prompt_end else 0, R * R if has_mask else 0, logit_rows]
+    tokens, positions, slots, seq_rows, context, tables, prompt_end, mask, logits = payload.split(sizes)
     return Batch(tokens, positions, slots, seq_rows, context, tables.view(B, width), block_size,
-                 mask.view(R, R).bool() if has_mask else None, prompt_end if has_prompt_end else None)
+                 mask.view(R, R).bool() if has_mask else None, prompt_end if has_prompt_end else None, logits)
 
 
 def released(tensor: torch.Tensor, timeout_s: float = 1.0):
@@ -223,7 +226,10 @@ def follow(model, group: Group, dtype: torch.dtype, runner=None):
             move_kv(model, src, dst)
             continue
         if op == Op.STEP:
-            runner.forward(unpack(payload, start, B, T, layers, bool(has_pos), bool(has_mask)))
+            batch = unpack(payload, start, B, T, all_logits, layers, bool(has_pos), bool(has_mask))
+            hidden = runner.forward(batch)
+            if all_logits:
+                model.head(hidden[batch.logit_rows])
             continue
         if op == Op.MOVE_SLOTS:
             src, dst = payload.chunk(2)

@@ -70,19 +70,20 @@ class ParallelLLM(LLM):
         super().__init__(model, quant=quant, native=native, speculate=speculate if lead and on_engine else "none",
                          engine=on_engine, progress=progress if lead else None,
                          log=log if lead else (lambda *a: None), load=load, **kw)
-        if not on_engine:
+        if not on_engine:  # the loop calls the model: on rank 0 the Leader stands in for it, sending every call
             self._join_group()
             if lead:
+                self.model = self.leader
                 self.speculate = speculate
                 self.speculator = build_speculator(speculate, self, log, cls=ParallelSpeculator)
         if lead:
-            self.model.keep_alive(group.timeout_s / 2)
+            self.leader.keep_alive(group.timeout_s / 2)
 
     def _join_group(self):
-        """The model's collectives (after any quantization), and on rank 0 the Leader that sends every call."""
+        """The model's collectives (after any quantization), and on rank 0 the Leader that commands the others."""
         install_collectives(self.model, self.group.pg)
         if self.leads:
-            self.model = Leader(self.model, self.group, self.on_failure)
+            self.leader = Leader(self.model, self.group, self.on_failure)
 
     def _kv_tokens(self, kv_cache_gb, max_batch, kv_dtype) -> int:
         """Rank 0 hands out blocks for every rank's cache: each must hold as many (an uneven split of the KV heads
@@ -96,9 +97,8 @@ class ParallelLLM(LLM):
         `reduce`; on rank 0 wrapped to send each step to the others."""
         self._join_group()
         pg = self.group.pg
-        runner = build_runner(self.model.model if self.leads else self.model, kv, native,
-                              reduce=lambda partial: dist.all_reduce(partial, group=pg))
-        return ParallelRunner(runner, self.model) if self.leads else runner
+        runner = build_runner(self.model, kv, native, reduce=lambda partial: dist.all_reduce(partial, group=pg))
+        return ParallelRunner(runner, self.leader) if self.leads else runner
 
     @property
     def leads(self) -> bool:
@@ -112,4 +112,4 @@ class ParallelLLM(LLM):
         """Rank 0: stop the engine, then release the followers (their follow() returns)."""
         if self.leads:
             super().close()
-            self.model.stop()
+            self.leader.stop()

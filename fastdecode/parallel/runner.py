@@ -3,8 +3,8 @@ the other ranks before running its own shard; every rank runs the same runner (t
 callback, or PyTorch's modules) over its shard of the model and its own paged KV cache (its KV heads only), whose
 blocks rank 0's scheduler hands out for all of them. So tensor parallelism gets what one process gets from the
 engine: batching, the prefix cache, chunked prefill, model-free speculation. The layers' all-reduces pair up across
-the ranks; the LM head goes through the Leader too (Op.HEAD), as does every move the engine makes in the cache
-(KVCache.mirror)."""
+the ranks; so do the LM head's (each rank runs its vocabulary slice on the step's logit rows) and every move the
+engine makes in the cache (KVCache.mirror)."""
 from __future__ import annotations
 
 from fastdecode.parallel.driver import Leader

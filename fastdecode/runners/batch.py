@@ -23,6 +23,9 @@ class Batch:
     # (B,) int64: sequence b's positions below prompt_end[b] are its prompt, whose attention the native runner may
     # compute with bf16 products (decode_step.cpp); None: every row is computed as a generated one.
     prompt_end: torch.Tensor | None = None
+    # (N,) int64: the rows whose next-token logits the step needs (the LM head runs on them after the runner; a
+    # tensor-parallel rank runs its slice of the head on them too); None: none.
+    logit_rows: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
