@@ -27,7 +27,8 @@ def free_port() -> int:
 
 def torchrun(args: list[str]) -> list[str]:
     """The interpreter's arguments before `-m fastdecode.server`: torchrun's, one rank per `--tp`, when asked for."""
-    tp = next((int(args[i + 1]) for i, a in enumerate(args[:-1]) if a == "--tp"), 1)
+    words = [w for a in args for w in (a.split("=", 1) if a.startswith("--tp=") else [a])]  # --tp N or --tp=N
+    tp = next((int(words[i + 1]) for i, a in enumerate(words[:-1]) if a == "--tp"), 1)
     return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp)] if tp > 1 else []
 
 

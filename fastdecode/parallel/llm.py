@@ -96,8 +96,7 @@ class ParallelLLM(LLM):
         """The runner of one process over this rank's shard, the native step's layers summed across the ranks by
         `reduce`; on rank 0 wrapped to send each step to the others."""
         self._join_group()
-        pg = self.group.pg
-        runner = build_runner(self.model, kv, native, reduce=lambda partial: dist.all_reduce(partial, group=pg))
+        runner = build_runner(self.model, kv, native, reduce=self.model.all_reduce)
         return ParallelRunner(runner, self.leader) if self.leads else runner
 
     @property

@@ -10,11 +10,12 @@ about either.
 Sharding works on real and on meta tensors alike, so the loader can shape a model before any weight is read.
 Collectives go in after quantization: their hooks sit on each attention's output projection (whatever the
 quantization transform made of it), on the MLP modules and on wrappers around the embedding and LM head. The native
-C++ step runs a layer without those modules' forward, so it is handed the same all-reduce (parallel/llm.py).
+C++ step runs a layer without those modules' forward, so it is handed the same all-reduce (`model.all_reduce`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -113,20 +114,22 @@ def shard_model(model, plan: ShardPlan):
     return model
 
 
-def _all_reduce_output(group):
+def _all_reduce_output(all_reduce):
     def hook(module, inputs, output):
-        dist.all_reduce(output, group=group)
+        all_reduce(output)
         return output
     return hook
 
 
 def install_collectives(model, group):
     """The communication of a sharded model: an all-reduce after attention and after the MLP in every block, one
-    in the embedding, an all-gather of the logits. Call once, after any quantization."""
+    in the embedding, an all-gather of the logits. Call once, after any quantization. `model.all_reduce` is the
+    layers' all-reduce, for a runner that computes them without their modules (the native step's `reduce`)."""
+    model.all_reduce = functools.partial(dist.all_reduce, group=group)
     for block in model.layers:
         # On o_proj, not the attention module: the engine's runner calls Attention.paged, not its forward.
-        block.self_attn.o_proj.register_forward_hook(_all_reduce_output(group))
-        block.mlp.register_forward_hook(_all_reduce_output(group))
+        block.self_attn.o_proj.register_forward_hook(_all_reduce_output(model.all_reduce))
+        block.mlp.register_forward_hook(_all_reduce_output(model.all_reduce))
     model.embed_tokens.group, model.embed_tokens.installed = group, True
     model.lm_head = GatherLogits(model.lm_head, model.shard_plan.vocab_ranges(), group)
     return model
