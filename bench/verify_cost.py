@@ -5,9 +5,10 @@ verifies n tokens a step is bounded by n t(1) / t(n) (`bound` below), whatever t
     python bench/verify_cost.py                        # writes bench/results/verify_cost.{json,md}
     python bench/verify_cost.py --baseline 414072d --contexts 64,600,1500   # beside that revision's kernels
 
-Each t(n) is one forward of the native decode step plus the LM head over n tokens written to cache slots after
-`context` tokens (what the speculator times at start-up). With --baseline, the revision's kernels are built as a
-second extension and the two take turns for every size in every round, so drift on the shared machine falls on both.
+Each t(n) is one forward of the engine's native runner plus the LM head over a batch of n rows, one sequence's n
+tokens written to its paged cache after `context` tokens (what the engine times at start-up, Engine.measure_cost).
+With --baseline, the revision's kernels are built as a second extension and the two take turns for every size in
+every round, so drift on the shared machine falls on both.
 """
 from __future__ import annotations
 
@@ -35,32 +36,53 @@ def main():
 
     import fastdecode.quant.linear as quant_linear
     from fastdecode import LLM
-    from fastdecode.speculative.model_drafters import forward_logits
+    from fastdecode.engine.kv_cache import BlockTable
+    from fastdecode.runners import Batch
+    from fastdecode.speculative.policy import probe_tokens
 
-    llm = LLM(a.model, quant=a.quant or "none", threads=a.threads, engine=False)  # times the static-cache step
-    if llm.decoder is None:
+    llm = LLM(a.model, quant=a.quant or "none", threads=a.threads)
+    runner, kv, model = llm.runner, llm.engine.kv, llm.model
+    if runner.name != "native":
         raise SystemExit("error: the native kernels are not available on this machine")
-    kernels = {"current": llm.decoder.ops}
+    kernels = {"current": runner.ops}
     if a.baseline:
         print(f"building the kernels of {a.baseline} ...", flush=True)
         kernels[a.baseline] = native_kernels_at(a.baseline)
+    shapes = {k: {} for k in kernels}  # each build's own ModelShape objects, by layer range
+    shapes["current"] = runner.shapes
     current_ops = quant_linear.native_ops
 
-    def use(ops):  # the layer stack and the LM head (a QuantLinear outside the C++ step) both switch
-        llm.decoder.ops = ops
-        quant_linear.native_ops = lambda: ops
+    def use(k):  # the layer stack and the LM head (a QuantLinear outside the C++ step) both switch
+        runner.ops, runner.shapes = kernels[k], shapes[k]
+        quant_linear.native_ops = lambda: kernels[k]
 
     sizes = [int(n) for n in a.sizes.split(",")]
+    contexts = [int(c) for c in a.contexts.split(",")]
+    room = min(llm.max_seq_len, kv.capacity)
+    if max(contexts) + max(sizes) > room:
+        raise SystemExit(f"error: a context of {max(contexts)} and {max(sizes)} new tokens exceed the cache's {room}")
+    table = BlockTable()
+    kv.reserve(table, max(contexts) + max(sizes))
+
+    @torch.inference_mode()
+    def forward(n: int, start: int):
+        """n rows of one sequence after `start` cached tokens, and the LM head on all of them (a verify step)."""
+        batch = Batch(torch.tensor(probe_tokens(n, model.config.vocab_size)), torch.arange(start, start + n),
+                      torch.tensor(kv.slots(table, start, start + n)), torch.tensor([0, n]), torch.tensor([start]),
+                      torch.tensor([table.blocks]), kv.block_size, logit_rows=torch.arange(n))
+        model.head(runner.forward(batch)[batch.logit_rows])
+
     rows = []
     try:
-        for context in (int(c) for c in a.contexts.split(",")):
+        forward(max(contexts), 0)  # the context the steps attend to
+        for context in contexts:
             times = {(k, n): [] for k in kernels for n in sizes}
             for r in range(a.rounds + 1):  # round 0 warms up
-                for k, ops in kernels.items():
-                    use(ops)
+                for k in kernels:
+                    use(k)
                     for n in sizes:
                         t0 = time.perf_counter()
-                        forward_logits(llm.model, llm.decoder, [0] * n, torch.arange(context, context + n), context)
+                        forward(n, context)
                         if r:
                             times[(k, n)].append(time.perf_counter() - t0)
             for k in kernels:
@@ -77,8 +99,10 @@ def main():
                           (f"  {row['speedup_vs_baseline']:.2f}x baseline" if "speedup_vs_baseline" in row else ""),
                           flush=True)
     finally:
-        use(kernels["current"])
+        use("current")
         quant_linear.native_ops = current_ops
+        kv.release(table)
+        llm.close()
 
     report = {"model": a.model, "quant": a.quant, "threads": a.threads, "rounds": a.rounds, "baseline": a.baseline,
               "machine": machine(), "command": command_line(), "rows": rows}

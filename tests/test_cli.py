@@ -82,7 +82,7 @@ def test_the_speed_tables_prefill_ceiling_is_its_flops_at_the_matrix_peak_or_one
     from types import SimpleNamespace
 
     from fastdecode.engine.cli import prefill_rows
-    from fastdecode.engine.generate import Timings
+    from fastdecode.engine.timings import Timings
     from fastdecode.roofline.models import get_model
 
     spec = get_model(str(smollm2_path))

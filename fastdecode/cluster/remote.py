@@ -27,7 +27,6 @@ class RemoteLLM(Prompts):
     """`facts`: a replica's `describe()`. `slots`: requests the replicas batch at once (the server's scheduler lets
     that many through and queues the rest)."""
     engine = kv = None  # no engine in this process: the dashboard shows the server's own queue
-    streams_on_loop = True
 
     def __init__(self, handle, facts: dict, table: RoutingTable, slots: int):
         self.handle = handle.options(stream=True)

@@ -1,4 +1,4 @@
-from fastdecode.engine.generate import Timings
+from fastdecode.engine.timings import Timings
 from fastdecode.engine.llm import LLM, Completion, StreamChunk
 from fastdecode.engine.sampling import SamplingParams
 

@@ -14,7 +14,7 @@ from rich.progress import track
 from rich.table import Table
 
 from fastdecode.engine import kv_files
-from fastdecode.engine.generate import Timings
+from fastdecode.engine.timings import Timings
 from fastdecode.engine.progress import PrefillLine
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.errors import FastdecodeError

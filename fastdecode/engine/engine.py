@@ -130,7 +130,8 @@ class Engine:
                 w.seq.first_scheduled = t0
         try:
             batch = self._batch(work)
-            hidden = self.runner.forward(batch)
+            taps = self.speculator.taps if self.speculator is not None else None
+            hidden, taps = self.runner.forward_taps(batch, taps) if taps else (self.runner.forward(batch), None)
             logits = self.model.head(hidden[batch.logit_rows]) if batch.logit_rows.numel() else None
         except Exception as e:  # the forward failed: every sequence in it ends with the error
             log.exception("engine step failed")
@@ -138,7 +139,7 @@ class Engine:
                 self._fail(w.seq, e)
             return True
         seconds = time.perf_counter() - t0
-        self._postprocess(work, logits, seconds)
+        self._postprocess(work, logits, seconds, batch.seq_rows.tolist(), taps)
         self._learn_speed(work, batch.num_rows, seconds)
         self.steps += 1
         return True
@@ -176,10 +177,14 @@ class Engine:
                      torch.tensor(context), tables, self.kv.block_size, tree_mask, torch.tensor(prompt_end),
                      torch.tensor(logit_rows, dtype=torch.long))
 
-    def _postprocess(self, work: list[Work], logits: torch.Tensor | None, seconds: float):
+    def _postprocess(self, work: list[Work], logits: torch.Tensor | None, seconds: float, seq_rows: list[int],
+                     taps: torch.Tensor | None):
+        """taps: the step's rows' residuals that the drafters read (EAGLE), handed over for the rows that stay."""
         row = 0
-        for w in work:
+        for w, r0 in zip(work, seq_rows):
             seq = w.seq
+            if taps is not None and w.draft is None:  # (a verified draft's: its root and accepted path, below)
+                self.speculator.feed(seq, seq.num_computed, taps[r0:r0 + w.rows])
             if not w.samples:  # a prompt chunk short of the end
                 seq.num_computed += w.rows
                 self.kv.commit(seq.table, seq.tokens, seq.num_computed, seq.salt)
@@ -195,6 +200,8 @@ class Engine:
                     seq.num_computed += w.rows
                 else:
                     verdict = verify(w.draft, rows, seq.sampler, seq.stop_ids)
+                    if taps is not None:
+                        self.speculator.feed(seq, seq.num_computed, taps[[r0] + [r0 + 1 + i for i in verdict.path]])
                     self._keep_path(seq, verdict.path)
                     seq.num_computed += 1 + len(verdict.path)
                     emitted = verdict.tokens
@@ -237,13 +244,15 @@ class Engine:
             self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str):
-        if self.speculator is not None and reason != "error":
+        if self.speculator is not None:
             self.speculator.finish(seq)
         self.scheduler.finish(seq, reason)
         seq.post("finished", reason)
 
     def _fail(self, seq: Sequence, error: Exception):
         if not seq.finished:
+            if self.speculator is not None:
+                self.speculator.finish(seq, learn=False)
             self.scheduler.finish(seq, "error")
             seq.post("error", error)
 

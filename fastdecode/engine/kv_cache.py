@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastdecode import memory
+from fastdecode.layers.batch import Batch
 
 BLOCK_SIZE = 32  # token slots per block: an eighth of the attention kernel's key chunk, read contiguously
 
@@ -181,6 +182,24 @@ class KVCache:
     def slots(self, table: BlockTable, start: int, end: int) -> list[int]:
         bs = self.block_size
         return [table.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def batch(self, parts: list[tuple[BlockTable, list[int], int]], logits: bool = False,
+              prompt_end: list[int] | None = None) -> Batch:
+        """A forward over (block table, new tokens, tokens already cached) per sequence, each a causal chain after
+        what this cache holds for it (its blocks reserved); logits: the last row of each needs them."""
+        tokens, positions, slots, seq_rows, context = [], [], [], [0], []
+        for table, new, start in parts:
+            tokens += new
+            positions += range(start, start + len(new))
+            slots += self.slots(table, start, start + len(new))
+            seq_rows.append(len(tokens))
+            context.append(start)
+        width = max(len(t.blocks) for t, _, _ in parts)
+        tables = torch.tensor([t.blocks + [0] * (width - len(t.blocks)) for t, _, _ in parts], dtype=torch.long)
+        return Batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), torch.tensor(seq_rows),
+                     torch.tensor(context), tables, self.block_size,
+                     prompt_end=None if prompt_end is None else torch.tensor(prompt_end),
+                     logit_rows=torch.tensor(seq_rows[1:], dtype=torch.long) - 1 if logits else None)
 
     def move(self, src: list[int], dst: list[int]):
         """Copies the keys and values of slots src to slots dst in every layer (a verified tree's accepted path)."""

@@ -16,19 +16,17 @@ from torch import nn
 from fastdecode.engine import kv_files
 from fastdecode.engine.detokenize import IncrementalDetokenizer
 from fastdecode.engine.engine import Engine
-from fastdecode.engine.generate import Timings, generate_tokens
+from fastdecode.engine.timings import Timings
 from fastdecode.engine.kv_cache import BLOCK_SIZE, KVCache
 from fastdecode.engine.kv_disk import DiskTier
-from fastdecode.engine.sampling import Sampler, SamplingParams
+from fastdecode.engine.sampling import SamplingParams
 from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.errors import InvalidRequestError
 from fastdecode.kernels.openmp import release_openmp_workers
 from fastdecode.loading import load_model, load_tokenizer, resolve_quant
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
 from fastdecode.runners import build_runner
-from fastdecode.runners.native_layers import native_decoder
-from fastdecode.speculative import build_speculator
-from fastdecode.speculative.batch import COST_SIZES, MODEL_FREE, BatchSpeculator
+from fastdecode.speculative.batch import COST_SIZES, BatchSpeculator, check_speculate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CANCEL_POLL_S = 0.1  # how often a stream waiting for its next token looks whether it was cancelled
@@ -255,12 +253,11 @@ class LLM(Prompts):
                  group_size: int = 32, threads: int | None = None, max_seq_len: int | None = None, native: bool = True,
                  speculate: str = "none", progress=None, log=lambda *a: None, load=load_model,
                  max_batch: int = 8, kv_cache_gb: float | None = None, prefix_cache: bool = True,
-                 kv_dtype: str = "float16", engine: bool = True, scheduler: SchedulerConfig | None = None,
+                 kv_dtype: str = "float16", scheduler: SchedulerConfig | None = None,
                  kv_disk_gb: float | None = None):
         """quant None runs a GGUF file in its own formats and a directory in float; "none" asks for float weights.
-        `load(path, dtype, progress, quant) -> model` builds the model (tensor parallelism passes its shard loader
-        and engine=False: its ranks run the single-request loop over the model's static cache, as do the drafters
-        that run a model, `--speculate layerskip|draft:MODEL|eagle`). Everything else runs on the serving engine.
+        `load(path, dtype, progress, quant) -> model` builds the model (tensor parallelism passes its shard loader).
+        Every request runs on the serving engine, with the drafters of `speculate`.
         kv_dtype: the engine's KV cache, float16 (half the memory and the attention reads of float32; keys and values
         are rounded to it once, when written) or float32 (the reference). kv_disk_gb: the prefix cache's disk tier
         under $FASTDECODE_HOME/kv (None: FASTDECODE_KV_DISK_GB, else 50 GB; 0: none)."""
@@ -268,6 +265,7 @@ class LLM(Prompts):
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         if kv_dtype not in KV_DTYPES:
             raise InvalidRequestError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
+        check_speculate(speculate)
         if threads:
             torch.set_num_threads(threads)
         # What the imports made (torch's module graph) lives as long as the process: frozen, no collection walks it
@@ -289,25 +287,16 @@ class LLM(Prompts):
         if quant not in (None, "gguf"):  # "gguf" is the loaded format itself
             from fastdecode.quant import quantize_model
             quantize_model(self.model, quant, group_size=group_size)
-        on_engine = engine and speculate in (None, "", "none", *MODEL_FREE)
-        cache_dtype = KV_DTYPES[kv_dtype] if on_engine else self.model.embed_tokens.weight.dtype
         self.context = Context.choose(self.config.max_position_embeddings, max_seq_len,
-                                      kv_budget_tokens(self.config, cache_dtype, kv_cache_gb if on_engine else None))
+                                      kv_budget_tokens(self.config, KV_DTYPES[kv_dtype], kv_cache_gb))
         self.max_seq_len = self.context.tokens
         self.speculate = speculate
-        self.engine = self.decoder = self.speculator = None
-        if on_engine:
-            self._build_engine(native, max_batch, kv_cache_gb, prefix_cache, KV_DTYPES[kv_dtype],
-                               scheduler or SchedulerConfig())
-            if weights is not None:
-                self._attach_disk_tier(weights, kv_files.cap_bytes(kv_disk_gb), dict(
-                    quant=quant, group_size=group_size, dtype=dtype, kv_dtype=kv_dtype, runner=self.runner.name,
-                    config=repr(self.config)))
-        else:
-            self.model.setup_cache(self.max_seq_len)
-            self.decoder = native_decoder(self.model) if native else None  # None: PyTorch's forward decodes
-            self.lock = threading.Lock()  # one request at a time owns the static cache
-            self.speculator = build_speculator(speculate, self, log=log)  # None: plain decode
+        self._build_engine(native, max_batch, kv_cache_gb, prefix_cache, KV_DTYPES[kv_dtype],
+                           scheduler or SchedulerConfig())
+        if weights is not None:
+            self._attach_disk_tier(weights, kv_files.cap_bytes(kv_disk_gb), dict(
+                quant=quant, group_size=group_size, dtype=dtype, kv_dtype=kv_dtype, runner=self.runner.name,
+                config=repr(self.config)))
 
     def _build_engine(self, native: bool, max_batch: int, kv_cache_gb: float | None, prefix_cache: bool,
                       kv_dtype: torch.dtype, scheduler: SchedulerConfig):
@@ -322,7 +311,7 @@ class LLM(Prompts):
         self.engine = Engine(self.model, kv, self.runner, self.max_seq_len, scheduler)
         if self.speculate not in (None, "", "none"):
             self.engine.speculator = self.engine.scheduler.speculator = BatchSpeculator.build(
-                self.speculate, self.engine.measure_cost(COST_SIZES))
+                self.speculate, self.engine.measure_cost(COST_SIZES), self)
         release_openmp_workers()  # loading ran here; from now on the engine's thread computes (kernels/openmp.py)
 
     def _kv_tokens(self, kv_cache_gb: float | None, max_batch: int, kv_dtype: torch.dtype) -> int:
@@ -347,29 +336,20 @@ class LLM(Prompts):
     @property
     def decode_path(self) -> str:
         """"native" (the C++ step) or "pytorch"."""
-        if self.engine is not None:
-            return self.runner.name
-        return "native" if self.decoder is not None else "pytorch"
+        return self.runner.name
 
     @property
     def slots(self) -> int:
-        """Requests served at once: the engine's batch; the single-request loop's one."""
-        return self.engine.config.max_batch if self.engine is not None else 1
-
-    @property
-    def streams_on_loop(self) -> bool:
-        """Whether `astream` serves (the engine), or only the blocking `stream` (the single-request loop)."""
-        return self.engine is not None
+        """Requests served at once: the engine's batch."""
+        return self.engine.config.max_batch
 
     def status(self) -> dict:
         """What /health adds: the engine's requests running and waiting."""
-        if self.engine is None:
-            return {}
         return {"engine_running": self.engine.num_running, "engine_waiting": self.engine.num_waiting}
 
     @property
-    def kv(self) -> KVCache | None:
-        return self.engine.kv if self.engine is not None else None
+    def kv(self) -> KVCache:
+        return self.engine.kv
 
     # ---- generation --------------------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, logits_processor=None,
@@ -383,9 +363,6 @@ class LLM(Prompts):
         no chunk comes to close it after. `on_prefill(done, total)`: the prompt's tokens in the cache so far, at
         least every PROGRESS_POLL_S until the first token, then once with done == total (the batching engine only)."""
         params, prompt_ids, stop_ids = self._admit(prompt, params)
-        if self.engine is None:
-            tokens = self._single_request(prompt_ids, params, logits_processor, stop_ids, tenant)
-            return self._chunks(tokens, prompt_ids, params, stop_ids)
         seq = self.engine.add_request(prompt_ids, params, logits_processor, stop_ids, salt, tenant)
         return self._chunks(self._engine_tokens(seq, cancel, on_prefill), prompt_ids, params, stop_ids)
 
@@ -424,20 +401,6 @@ class LLM(Prompts):
         seq = self.engine.add_request(prompt_ids, params, logits_processor, stop_ids, salt, tenant)
         return EngineStream(self.engine, seq, ChunkMaker(self.tokenizer, prompt_ids, params, stop_ids), on_prefill)
 
-    def _single_request(self, prompt_ids, params, logits_processor, stop_ids, tenant):
-        """The single-request loop over the model's static cache (tensor parallelism, model drafters)."""
-        timings, stats = Timings(), None
-        with self.lock:
-            sampler = Sampler(params, self.config.vocab_size, prompt_ids, logits_processor)
-            if self.speculator is not None and params.max_tokens > 1:
-                tokens, stats = self.speculator.generate_tokens(prompt_ids, sampler, params.max_tokens, stop_ids,
-                                                                timings, tenant)
-            else:
-                tokens = generate_tokens(self.model, prompt_ids, sampler, params.max_tokens, stop_ids, timings,
-                                         self.decoder)
-            for token in tokens:
-                yield token, sampler, timings, stats
-
     def _admit(self, prompt, params: SamplingParams | None) -> tuple[SamplingParams, list[int], set[int]]:
         """-> the request's params, prompt ids and stop ids; InvalidRequestError if it cannot fit the context."""
         params = params or SamplingParams()
@@ -458,7 +421,7 @@ class LLM(Prompts):
                 if maker.done:
                     break
         finally:
-            tokens.close()  # ends the request: the engine frees its blocks, the single-request loop its lock
+            tokens.close()  # ends the request: the engine frees its blocks
         yield maker.last()
 
     def generate(self, prompts: str | list[int] | list[str], params: SamplingParams | None = None):
@@ -484,8 +447,7 @@ class LLM(Prompts):
 
     def close(self):
         """Stops the engine's thread (a finished program need not: it is a daemon)."""
-        if self.engine is not None:
-            self.engine.stop()
+        self.engine.stop()
 
     # ---- accounting --------------------------------------------------------------------------------------------
     def weight_bytes_per_token(self) -> int:
@@ -502,5 +464,4 @@ class LLM(Prompts):
 
     def kv_bytes_per_token(self, context: int) -> int:
         """KV-cache bytes one decode step reads at a given context length."""
-        dtype = self.kv.k[0].dtype if self.kv is not None else self.model.embed_tokens.weight.dtype  # static cache
-        return KVCache.bytes_per_token(self.config, dtype) * context
+        return KVCache.bytes_per_token(self.config, self.kv.k[0].dtype) * context

@@ -117,12 +117,14 @@ class Scheduler:
         """Each decoding sequence's draft, chosen against the rows and tokens the step already has."""
         if self.speculator is None:
             return
+        # Draft positions must stay inside the context, and drafting past max_tokens is wasted.
+        budgets = [min(self.speculator.policy.max_nodes, w.seq.params.max_tokens - w.seq.num_output - 1,
+                       self.max_seq_len - w.seq.num_computed - 1) for w in work]
+        self.speculator.draft_chains([w.seq for w in work], budgets,
+                                     lambda seq, tokens: self._reserve(seq, tokens, preempt=False))
         rows, tokens = len(work), float(len(work))
-        for w in work:
+        for w, budget in zip(work, budgets):
             seq = w.seq
-            # Draft positions must stay inside the context, and drafting past max_tokens is wasted.
-            budget = min(self.speculator.policy.max_nodes, seq.params.max_tokens - seq.num_output - 1,
-                         self.max_seq_len - seq.num_computed - 1)
             rows, tokens = rows - 1, tokens - 1
             draft, expected = self.speculator.propose(seq, budget, rows, tokens) if budget > 0 else (None, 1.0)
             if draft is not None and not self._reserve(seq, seq.num_computed + 1 + len(draft), preempt=False):

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fastdecode.engine.generate import Timings
+from fastdecode.engine.timings import Timings
 from fastdecode.engine.kv_cache import BlockTable
 from fastdecode.engine.sampling import Sampler, SamplingParams
 

@@ -2,30 +2,10 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from fastdecode import memory
 from fastdecode.config import ModelConfig
+from fastdecode.layers.batch import Batch
 from fastdecode.layers.norm import RMSNorm
 from fastdecode.layers.rotary import apply_rotary
-
-
-class KVCache(nn.Module):
-    """Preallocated keys and values for one layer: (B, kv_heads, max_seq_len, head_dim)."""
-
-    def __init__(self, batch: int, kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None):
-        super().__init__()
-        shape = (batch, kv_heads, max_seq_len, head_dim)
-        # Pages made on first touch: a long context costs memory only as far as a sequence reaches into it.
-        for name in ("k", "v"):
-            self.register_buffer(name, memory.zeros(*shape, dtype=dtype, device=device, huge_pages=False),
-                                 persistent=False)
-
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor, kv_start: int):
-        """Writes k, v (B, kv_heads, T, head_dim) at positions start.. and returns the visible span kv_start..end."""
-        end = start + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, kv_start:end], self.v[:, :, kv_start:end]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -87,29 +67,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, start: int, rope: torch.Tensor, rope_index: slice | torch.Tensor,
-                mask: torch.Tensor | None, kv_start: int) -> torch.Tensor:
-        """x (B, T, D) written to cache slots start..start+T-1, rotated at positions rope_index (a slice, or a
-        tensor for a token tree); mask (T, visible slots) or None for one token seeing all of them."""
-        B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(B, T, self.num_heads, self.head_dim)
-        k = k.view(B, T, self.num_kv_heads, self.head_dim)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope[0, rope_index], rope[1, rope_index]  # (T, head_dim)
-        q = apply_rotary(q.transpose(1, 2), cos, sin).to(v.dtype)  # (B, heads, T, head_dim)
-        k = apply_rotary(k.transpose(1, 2), cos, sin).to(v.dtype)
-        k, v = self.kv_cache.update(start, k, v, kv_start)
-        y = attend(q, k, v, mask, self.scale, self.sinks)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-    def paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, k_cache: torch.Tensor,
-              v_cache: torch.Tensor) -> torch.Tensor:
-        """x (R, D): the rows of a runners.Batch, rotated by cos, sin (R, head_dim), their keys and values written to
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        """x (R, D): the rows of a Batch, rotated by cos, sin (R, head_dim), their keys and values written to
         the paged cache k_cache, v_cache (kv_heads, slots, head_dim) -> attention output (R, D). Each sequence's
         visible keys are gathered through its block table (the native runner reads them in place)."""
         R = x.shape[0]

@@ -13,7 +13,9 @@ from torch import nn
 import torch.nn.functional as F
 
 from fastdecode.config import ModelConfig
-from fastdecode.layers.attention import Attention, KVCache
+from fastdecode import memory
+from fastdecode.layers.attention import Attention
+from fastdecode.layers.batch import Batch
 from fastdecode.layers.norm import RMSNorm
 from fastdecode.layers.rotary import rope_cache
 from fastdecode.models.moe import SparseMoE
@@ -58,8 +60,11 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, x, start, rope, rope_index, mask, kv_start):
-        return self.after_attention(x, self.self_attn(self.input_layernorm(x), start, rope, rope_index, mask, kv_start))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        """The rows x (R, D) of a batch over a paged cache (Attention.forward) -> the residual stream after the
+        block."""
+        return self.after_attention(x, self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache))
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual stream after the attention output `attn`: residual adds, norms and the MLP."""
@@ -82,6 +87,7 @@ class Transformer(nn.Module):
         self.max_seq_len = 0
         self.rope_freq_factors: torch.Tensor | None = None  # set by the GGUF loader for llama3-scaled models
         self.rope_global = self.rope_local = None
+        self.cache: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # the reference forward's (setup_cache)
 
     # ---- cache -------------------------------------------------------------------------------------------------
     def setup_rope(self, max_seq_len: int):
@@ -98,14 +104,18 @@ class Transformer(nn.Module):
         self.rope_local = rope_cache(c.head_dim, max_seq_len, c.rope_local_base_freq, local_scaling).to(device)
 
     def setup_cache(self, max_seq_len: int, batch: int = 1, dtype: torch.dtype | None = None):
-        """Allocates the static KV cache (the reference forward's, one sequence per batch row) and the rope tables
-        for sequences up to max_seq_len tokens."""
+        """Allocates the reference forward's KV cache, one sequence per batch row (in a paged cache of one block of
+        max_seq_len slots each), and the rope tables for sequences up to max_seq_len tokens. The serving engine
+        keeps its own (engine/kv_cache.py); this one is for `forward` and `hidden`: tests, the fidelity lab,
+        training data."""
         c = self.config
         dtype = dtype or self.embed_tokens.weight.dtype
         device = self.embed_tokens.weight.device
         self.setup_rope(max_seq_len)
-        for block in self.layers:
-            block.self_attn.kv_cache = KVCache(batch, c.num_key_value_heads, max_seq_len, c.head_dim, dtype, device)
+        # Pages made on first touch: a long context costs memory only as far as a sequence reaches into it.
+        shape = (c.num_key_value_heads, batch * max_seq_len, c.head_dim)
+        self.cache = tuple([memory.zeros(*shape, dtype=dtype, device=device, huge_pages=False) for _ in self.layers]
+                           for _ in "kv")
 
     # ---- forward -----------------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, start: int, all_logits: bool = False, **tree) -> torch.Tensor:
@@ -119,31 +129,30 @@ class Transformer(nn.Module):
         """tokens (B, T) written to cache slots start..start+T-1 -> final hidden states (B, T, D), before the final
         norm. By default the tokens are a chain at positions start..; a token tree being verified gives each token's
         `positions` (T,) and `tree_mask` (T, T) bool (token t sees token j iff j is t or an ancestor of t).
-        `layers` runs only the first that many layers (a self-speculative draft)."""
+        `layers` runs only the first that many layers. The same layers as the PyTorch runner's, over this model's
+        reference cache."""
         B, T = tokens.shape
-        end = start + T
-        if end > self.max_seq_len:
-            raise ValueError(f"sequence of {end} tokens exceeds the cache of {self.max_seq_len}")
-        if self.layers[0].self_attn.kv_cache is None:  # the engine's model: its reference forward's cache on first use
-            self.setup_cache(self.max_seq_len, batch=B)
-        x = self.embed(tokens)
-        window = self.config.sliding_window
-        local_start = max(0, start - window + 1) if window else 0
-        q_pos = torch.arange(start, end) if positions is None else positions
-        global_mask = local_mask = None
-        if T > 1 or tree_mask is not None:
-            # Cache slots below `start` hold positions 0..start-1; the new tokens see each other as the tree says.
-            new = torch.ones(T, T, dtype=torch.bool).tril() if tree_mask is None else tree_mask
-            k_pos = torch.cat([torch.arange(start), q_pos])
-            global_mask = torch.cat([torch.ones(T, start, dtype=torch.bool), new], dim=1)
-            if window:
-                local_mask = (global_mask & (k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - window))[:, local_start:]
-        rope_index = slice(start, end) if positions is None else positions
-        for block in self.layers[:layers]:
-            if block.self_attn.sliding:
-                x = block(x, start, self.rope_local, rope_index, local_mask, local_start)
-            else:
-                x = block(x, start, self.rope_global, rope_index, global_mask, 0)
+        if start + T > self.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds the cache of {self.max_seq_len}")
+        if self.cache is None or self.cache[0][0].shape[1] != B * self.max_seq_len:
+            self.setup_cache(self.max_seq_len, batch=B)  # the engine's model: its reference cache on first use
+        q_pos = torch.arange(start, start + T) if positions is None else positions
+        rows = torch.arange(B)
+        slots = (rows[:, None] * self.max_seq_len + torch.arange(start, start + T)).reshape(-1)
+        mask = None if tree_mask is None else torch.block_diag(*[tree_mask] * B)
+        batch = Batch(tokens.reshape(-1), q_pos.repeat(B), slots, torch.arange(B + 1) * T, torch.full((B,), start),
+                      rows[:, None], self.max_seq_len, mask)
+        x = self.run_layers(self.embed(batch.tokens), batch, *self.cache, 0, len(self.layers[:layers]))
+        return x.view(B, T, -1)
+
+    def run_layers(self, x: torch.Tensor, batch: Batch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                   start: int, stop: int) -> torch.Tensor:
+        """The rows x (R, D) of a batch through layers start..stop-1 over a paged cache (per layer (kv_heads, slots,
+        head_dim)): the PyTorch runner's forward and the reference forward's."""
+        for layer in range(start, stop):
+            block = self.layers[layer]
+            rope = self.rope_local if block.self_attn.sliding else self.rope_global
+            x = block(x, rope[0, batch.positions], rope[1, batch.positions], batch, k_cache[layer], v_cache[layer])
         return x
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

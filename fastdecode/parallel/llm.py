@@ -19,30 +19,16 @@ from fastdecode.parallel.plan import ShardPlan
 from fastdecode.parallel.runner import ParallelRunner
 from fastdecode.parallel.shard import install_collectives
 from fastdecode.runners import build_runner
-from fastdecode.speculative import build_speculator
-from fastdecode.speculative.batch import MODEL_FREE
-from fastdecode.speculative.speculator import Speculator
-
-
-class ParallelSpeculator(Speculator):
-    """The speculator with the drafter on rank 0 only: drafts reach the followers as the tokens of the verify
-    forward, and the cache moves that keep an accepted tree path are broadcast too."""
-
-    def keep_path(self, pos: int, path: list[int]):
-        if path == list(range(len(path))):
-            return
-        src = torch.tensor([pos + 1 + i for i in path])
-        self.model.move_kv(src, torch.arange(pos + 1, pos + 1 + len(path)))
+from fastdecode.speculative.batch import HEADS
 
 
 class ParallelLLM(LLM):
     def __init__(self, model: str = DEFAULT_MODEL, tp: int = 2, quant: str | None = None, speculate: str = "none",
                  timeout_s: float = DEFAULT_TIMEOUT_S, on_failure=None, progress=None, log=lambda *a: None, **kw):
         """kw: LLM's dtype, group_size, threads, max_seq_len, and the engine's max_batch, kv_cache_gb, prefix_cache,
-        kv_dtype, native. Plain decoding and the model-free drafters (ngram, suffix, auto) run on the serving engine,
-        each rank the native C++ step over its shard where the kernels are built (else PyTorch's modules), its
-        layers' outputs all-reduced; the model drafters (layerskip, draft:MODEL, eagle) still run the single-request
-        loop with PyTorch's modules, as in one process. `on_failure(error)`: see Leader."""
+        kv_dtype, native. Everything runs on the serving engine, each rank the native C++ step over its shard where
+        the kernels are built (else PyTorch's modules), its layers' outputs all-reduced; the drafters run on rank 0
+        (draft:MODEL's model whole, there). `on_failure(error)`: see Leader."""
         if quant == "gguf":
             raise InvalidRequestError("--quant gguf keeps a GGUF file's whole tensors, which --tp cannot shard: use "
                                       "--quant int8 or int4")
@@ -50,6 +36,9 @@ class ParallelLLM(LLM):
         # A model that cannot be split fails here, before the ranks meet (and without torchrun too).
         config = checkpoint_config(resolve(model))[0]
         ShardPlan.build(config, 0, tp)
+        if speculate and speculate.partition(":")[0] in HEADS:
+            raise InvalidRequestError("--speculate eagle reads the target's embedding, which --tp splits: use "
+                                      "auto, layerskip or draft:MODEL")
         self.group = group = init_group(tp, timeout_s)
         self.on_failure = on_failure
         lead = group.leads
@@ -58,24 +47,14 @@ class ParallelLLM(LLM):
             tokens = torch.tensor([Context.choose(config.max_position_embeddings, None, budget).tokens])
             dist.all_reduce(tokens, dist.ReduceOp.MIN, group=group.pg)
             kw["max_seq_len"] = int(tokens)
-        on_engine = speculate in (None, "", "none", *MODEL_FREE)
         # Each rank would keep its own shard's blocks on disk, under one name: not built yet, so no disk tier.
         kw["kv_disk_gb"] = 0
 
         def load(path, dtype, progress, quant):  # quant: float here (see above); LLM quantizes the shard after
             return load_shard(path, group.rank, group.world, dtype, progress)
         # Drafters run on rank 0 only: the others run what its steps send them.
-        # The single-request loop's native decoder runs whole models only (it has no all-reduce): PyTorch's there.
-        native = kw.pop("native", True) and on_engine
-        super().__init__(model, quant=quant, native=native, speculate=speculate if lead and on_engine else "none",
-                         engine=on_engine, progress=progress if lead else None,
-                         log=log if lead else (lambda *a: None), load=load, **kw)
-        if not on_engine:  # the loop calls the model: on rank 0 the Leader stands in for it, sending every call
-            self._join_group()
-            if lead:
-                self.model = self.leader
-                self.speculate = speculate
-                self.speculator = build_speculator(speculate, self, log, cls=ParallelSpeculator)
+        super().__init__(model, quant=quant, speculate=speculate if lead else "none",
+                         progress=progress if lead else None, log=log if lead else (lambda *a: None), load=load, **kw)
         if lead:
             self.leader.keep_alive(group.timeout_s / 2)
 
@@ -83,7 +62,7 @@ class ParallelLLM(LLM):
         """The model's collectives (after any quantization), and on rank 0 the Leader that commands the others."""
         install_collectives(self.model, self.group.pg)
         if self.leads:
-            self.leader = Leader(self.model, self.group, self.on_failure)
+            self.leader = Leader(self.group, self.on_failure)
 
     def _kv_tokens(self, kv_cache_gb, max_batch, kv_dtype) -> int:
         """Rank 0 hands out blocks for every rank's cache: each must hold as many (an uneven split of the KV heads
@@ -104,8 +83,8 @@ class ParallelLLM(LLM):
         return self.group.leads
 
     def follow(self):
-        """Ranks > 0: run rank 0's steps (or model calls) until it closes."""
-        follow(self.model, self.group, DTYPES[self.dtype], self.runner if self.engine is not None else None)
+        """Ranks > 0: run rank 0's steps until it closes."""
+        follow(self.model, self.group, self.runner)
 
     def close(self):
         """Rank 0: stop the engine, then release the followers (their follow() returns)."""

@@ -5,7 +5,7 @@ modules otherwise (any torch device). The engine never asks which one it has.
 """
 from __future__ import annotations
 
-from fastdecode.runners.batch import Batch
+from fastdecode.layers.batch import Batch
 
 __all__ = ["Batch", "build_runner"]
 

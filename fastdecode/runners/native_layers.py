@@ -1,18 +1,14 @@
 """A built Transformer's layers as the C++ step (kernels/decode_step.cpp) takes them: each layer's tensors in the
-step's slot order and the model's shape arguments (the native runner's), and NativeDecoder, the same step over the
-model's static cache for the single-request loop (tensor parallelism, model drafters) until that loop joins the
-engine. Here rather than in kernels/: it reads the model's modules, and the kernels sit below the models."""
+step's slot order and the model's shape arguments (the native runner's). Here rather than in kernels/: it reads the model's modules, and the kernels sit below the models."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from fastdecode.kernels import native_ops
 from fastdecode.models.moe import SparseMoE
 from fastdecode.quant.split import RowSplitLinear
 
 EMPTY = torch.empty(0)
-ZERO_TABLE = torch.zeros(1, 1, dtype=torch.long)
 SLOTS = 25  # tensors per layer, in decode_step.cpp's Slot order
 
 
@@ -129,77 +125,3 @@ def model_shape(model, ops, layers: slice = slice(None)):
     for name, value in fields.items():
         setattr(shape, name, value)
     return shape
-
-
-class NativeDecoder:
-    """The native step over the model's own static cache (`Transformer.setup_cache`), one sequence whose slot i holds
-    position i: what the drafters that run the target's layers, and the single-request speculative loop, call. The
-    serving engine's paged cache goes through fastdecode.runners.native instead."""
-
-    def __init__(self, model, ops):
-        self.model, self.ops = model, ops
-        self.shapes: dict[tuple[int, int], object] = {}  # (start, stop) -> the model shape of those layers
-        self.gather()
-
-    def gather(self):
-        """Collects the per-layer tensors in decode_step.cpp's slot order (again whenever the cache is replaced)."""
-        self.cache = self.model.layers[0].self_attn.kv_cache.k
-        self.weights = []
-        for block in self.model.layers:
-            self.weights += [*layer_weights(block), block.self_attn.kv_cache.k, block.self_attn.kv_cache.v]
-
-    @staticmethod
-    def supports(model) -> bool:
-        return model_supported(model) and all(b.self_attn.kv_cache is not None and
-                                              b.self_attn.kv_cache.k.shape[0] == 1 for b in model.layers)
-
-    @torch.inference_mode()
-    def __call__(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        """token (1, 1) at position pos -> logits (vocab,)."""
-        return self.model.head(self.hidden(token[0], torch.tensor([pos]), pos))[0]
-
-    @torch.inference_mode()
-    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, slot0: int, tree_mask: torch.Tensor | None = None,
-               layers: int | None = None) -> torch.Tensor:
-        """tokens (T,) at positions (T,) written to cache slots slot0.. -> final hidden states (T, D), before the
-        final norm. tree_mask (T, T) bool lets each token see its ancestors (default: a causal chain); `layers`
-        runs only the first that many layers (a self-speculative draft)."""
-        n = self.model.config.num_hidden_layers if layers is None else layers
-        return self.run_layers(self.model.embed(tokens), 0, n, positions, slot0, tree_mask)
-
-    @torch.inference_mode()
-    def hidden_taps(self, tokens: torch.Tensor, positions: torch.Tensor, slot0: int,
-                    tree_mask: torch.Tensor | None, taps: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """hidden() that also returns the residual after each layer in `taps` (sorted), for drafters that read the
-        target's features: -> (final hidden states (T, D), [(T, D) per tap]). The layers run as consecutive ranges,
-        each range's residual handed to the next, which is the same arithmetic as one call: logits are unchanged."""
-        x, out, a = self.model.embed(tokens), [], 0
-        for b in [t + 1 for t in taps] + [self.model.config.num_hidden_layers]:
-            if b > a:
-                x = self.run_layers(x, a, b, positions, slot0, tree_mask)
-            out.append(x)
-            a = b
-        return x, out[:len(taps)]
-
-    def run_layers(self, x: torch.Tensor, start: int, stop: int, positions: torch.Tensor, slot0: int,
-                   tree_mask: torch.Tensor | None) -> torch.Tensor:
-        """The residual stream x (T, D) through layers start..stop-1 in one call into C++: one sequence whose single
-        block is the whole cache."""
-        if self.model.layers[0].self_attn.kv_cache.k is not self.cache:
-            self.gather()
-        T, m = x.shape[0], self.model
-        shape = self.shapes.get((start, stop))
-        if shape is None:
-            shape = self.shapes[start, stop] = model_shape(m, self.ops, slice(start, stop))
-        return self.ops.forward_batch(
-            x, self.weights[start * SLOTS:stop * SLOTS], positions, torch.arange(slot0, slot0 + T),
-            torch.tensor([0, T]), torch.tensor([slot0]), EMPTY, ZERO_TABLE, m.max_seq_len,
-            EMPTY if tree_mask is None else tree_mask, m.rope_global, m.rope_local, shape)
-
-
-def native_decoder(model) -> NativeDecoder | None:
-    """A NativeDecoder for the model when the native kernels are built and the model fits them, else None."""
-    if not NativeDecoder.supports(model):
-        return None
-    ops = native_ops()
-    return NativeDecoder(model, ops) if ops is not None else None

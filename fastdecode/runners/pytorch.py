@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.runners.batch import Batch
+from fastdecode.runners.base import Runner
+from fastdecode.layers.batch import Batch
 
 
-class TorchRunner:
+class TorchRunner(Runner):
     name = "pytorch"
 
     def __init__(self, model, kv):
         self.model, self.kv = model, kv
 
-    @torch.inference_mode()
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """-> final hidden states (R, D), before the final norm."""
-        m = self.model
-        x = m.embed(batch.tokens)
-        for layer, block in enumerate(m.layers):
-            rope = m.rope_local if block.self_attn.sliding else m.rope_global
-            cos, sin = rope[0, batch.positions], rope[1, batch.positions]
-            attn = block.self_attn.paged(block.input_layernorm(x), cos, sin, batch, self.kv.k[layer],
-                                         self.kv.v[layer])
-            x = block.after_attention(x, attn)
-        return x
+    def layers(self, x: torch.Tensor, batch: Batch, start: int, stop: int) -> torch.Tensor:
+        return self.model.run_layers(x, batch, self.kv.k, self.kv.v, start, stop)

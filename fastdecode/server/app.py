@@ -26,7 +26,7 @@ from fastdecode.server.metrics import CountRequests, Metrics
 from fastdecode.server.prepare import EngineRequest, ServedModel, chat_request, completion_request
 from fastdecode.server.protocol import ChatFormatter, TextFormatter
 from fastdecode.server.responses.routes import responses_routes
-from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler, threaded_stream
+from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler
 from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest
 from fastdecode.server.security import Guard
 
@@ -45,8 +45,7 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
     config = config or ServerConfig()
     served = ServedModel(llm, config.served_model_name)
     metrics = Metrics()
-    # The engine batches every open stream (a cluster's replicas each a batch); the single-request loop (tensor
-    # parallelism, model drafters) takes one.
+    # The engine batches every open stream (a cluster's replicas each a batch).
     scheduler = Scheduler(config.max_queue, metrics, slots=llm.slots)
     recorder = Recorder(llm, scheduler, ceiling)  # the dashboard's last minutes
     started = int(time.time())
@@ -113,13 +112,10 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
             salt = cache_salt(tenant, job.cache_salt, config.share_prefix_cache)
             args = (job.prompt_ids, job.params, job.logits_processor)
             kw = dict(salt=salt, tenant=tenant, on_prefill=PrefillLog(log))
-            if llm.streams_on_loop:  # read straight from the engine (or a cluster's replica) on this event loop
-                session = request.headers.get("x-session-affinity") or \
-                    request.headers.get("x-claude-code-session-id") or job.session  # opencode's, Claude Code's
-                run = scheduler.submit(lambda: llm.astream(*args, session=session, **kw), config.request_timeout_s)
-            else:  # the single-request loop blocks: a thread of its own reads it
-                run = scheduler.submit(lambda: threaded_stream(lambda cancel: llm.stream(*args, cancel=cancel, **kw)),
-                                       config.request_timeout_s)
+            # Read straight from the engine (or a cluster's replica) on this event loop.
+            session = request.headers.get("x-session-affinity") or \
+                request.headers.get("x-claude-code-session-id") or job.session  # opencode's, Claude Code's
+            run = scheduler.submit(lambda: llm.astream(*args, session=session, **kw), config.request_timeout_s)
         except QueueFull as e:
             raise ApiError(429, f"The server is busy: {scheduler.waiting} requests are waiting for the engine. "
                                 f"Retry after {e.retry_after} s.", code="queue_full",

@@ -128,8 +128,8 @@ def ceiling(llm) -> dict | None:
     """This machine's decode ceiling for the model (measured once a day: a few seconds, before serving starts)."""
     from fastdecode.roofline.probe import decode_ceiling
 
-    if llm.engine is None:  # tensor-parallel ranks and model drafters: their bytes per token are not one model's
-        return None
+    if llm.engine is None or getattr(llm, "group", None) is not None:  # a cluster's front, a tensor-parallel rank:
+        return None  # their bytes per token are not one model's in this process
     err.print("[dim]measuring memory bandwidth (cached for a day)...[/dim]")
     return decode_ceiling(llm.weight_bytes_per_token(), llm.engine.threads)
 

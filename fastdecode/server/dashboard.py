@@ -86,7 +86,7 @@ class Recorder:
                 return
 
     def sample(self) -> Sample:
-        engine = self.llm.engine  # None: the single-request loop, one request at a time and no paged cache
+        engine = self.llm.engine  # None: a cluster's front (its replicas' engines are elsewhere)
         if engine is None:
             return Sample(time.time(), self.scheduler.busy, self.scheduler.waiting, None, None)
         kv = engine.kv

@@ -1,20 +1,18 @@
 """Requests in front of the engine, on the event loop: at most `slots` of them streaming from it at once (the engine
-batches them, so `slots` is its batch size; a model that runs one request at a time -- tensor parallelism, a model
-drafter -- gets one), the rest waiting in arrival order, at most `max_queue` of them (more get 429).
+batches them, so `slots` is its batch size), the rest waiting in arrival order, at most `max_queue` of them (more get
+429).
 
-No thread waits on a request: a request on the engine is read through `LLM.astream`, whose chunks the engine's thread
-hands to the event loop as it posts them. (The single-request loop still runs each request's blocking stream on a
-thread of its own, `threaded_stream`.) A request whose client went away, or whose time ran out, leaves the queue or
-has its stream closed, which ends it in the engine at its next step, even mid-prefill.
+No thread waits on a request: a request is read through `LLM.astream`, whose chunks the engine's thread hands to the
+event loop as it posts them. A request whose client went away, or whose time ran out, leaves the queue or has its
+stream closed, which ends it in the engine at its next step, even mid-prefill.
 """
 from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable
 
 from fastdecode.engine.llm import StreamChunk
 
@@ -155,48 +153,3 @@ class Scheduler:
             self.metrics.queue_depth.set(self.waiting)
             if running is not None:
                 self.metrics.running.set(running)
-
-
-class threaded_stream:
-    """A blocking stream (`open_stream(cancel)`, LLM.stream's form) read from the event loop: it runs on a thread of
-    its own, for the single-request loop, which has no engine to wake the loop. `close()` sets `cancel`, which the
-    stream heeds within its poll, even mid-prefill."""
-
-    def __init__(self, open_stream: Callable[[threading.Event], Iterator[StreamChunk]]):
-        self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancel = threading.Event()
-        threading.Thread(target=self._run, args=(open_stream,), name="fastdecode-request", daemon=True).start()
-
-    def _run(self, open_stream):
-        try:
-            stream = open_stream(self.cancel)
-            try:
-                for chunk in stream:
-                    self._post(chunk)
-                    if self.cancel.is_set():
-                        break
-            finally:
-                stream.close()
-            self._post(StopAsyncIteration())
-        except Exception as e:  # the request's error (InvalidRequestError) or ours: the reader raises it
-            self._post(e)
-
-    def _post(self, item):
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:  # the event loop is gone: the server is shutting down
-            self.cancel.set()
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> StreamChunk:
-        item = await self.events.get()
-        if isinstance(item, BaseException):
-            self.cancel.set()
-            raise item
-        return item
-
-    def close(self):
-        self.cancel.set()

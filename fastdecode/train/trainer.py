@@ -143,11 +143,12 @@ def train_drafter(o: TrainOptions, progress, log=print) -> dict:
     llm = LLM(o.model, quant="none", threads=o.threads, max_seq_len=4096)  # float first: the head starts from it
     target = Target.of(llm.model)
     cfg = head_config_for(llm.model, o.kind, o.model, o.draft_vocab, mtp_depth=o.steps)
-    if o.quant:
-        from fastdecode.runners.native_layers import native_decoder
+    if o.quant:  # the data then comes from the target as it will serve (the runner takes the quantized modules)
         from fastdecode.quant import quantize_model
+        from fastdecode.runners import build_runner
         quantize_model(llm.model, o.quant)
-        llm.quant, llm.decoder = o.quant, native_decoder(llm.model)
+        llm.quant = o.quant
+        llm.runner = llm.engine.runner = build_runner(llm.model, llm.engine.kv)
     directory = make_data(o, llm, cfg.taps, progress, log)
     t_data = time.perf_counter() - t_start
     del llm

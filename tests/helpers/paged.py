@@ -30,19 +30,21 @@ def run(runner, kv, seqs: list[tuple[BlockTable, int, list[int]]], prompt_end: l
         ) -> list[torch.Tensor]:
     """One forward over several sequences' new tokens (table, tokens already cached, new tokens) -> each one's
     logits (T, vocab). prompt_end: each sequence's prompt length (Batch.prompt_end), None: no row is a prompt's."""
-    tokens, positions, slots, rows, context = [], [], [], [0], []
     for table, start, new in seqs:
         kv.reserve(table, start + len(new))
-        tokens += new
-        positions += range(start, start + len(new))
-        slots += kv.slots(table, start, start + len(new))
-        rows.append(len(tokens))
-        context.append(start)
-    width = max(len(t.blocks) for t, _, _ in seqs)
-    tables = torch.tensor([t.blocks + [0] * (width - len(t.blocks)) for t, _, _ in seqs])
-    batch = Batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), torch.tensor(rows),
-                  torch.tensor(context), tables, kv.block_size,
-                  prompt_end=None if prompt_end is None else torch.tensor(prompt_end))
+    batch = kv.batch([(table, new, start) for table, start, new in seqs], prompt_end=prompt_end)
+    rows = batch.seq_rows.tolist()
     with torch.inference_mode():
         logits = runner.model.head(runner.forward(batch))
     return [logits[a:b] for a, b in zip(rows, rows[1:])]
+
+
+def tree_batch(kv, table: BlockTable, start: int, tokens: list[int], positions: torch.Tensor,
+               tree_mask: torch.Tensor | None) -> Batch:
+    """One sequence's verify step, as the engine builds it: `tokens` (a draft's root and nodes) at `positions`,
+    written to the table's slots start.. after `start` cached tokens, seeing each other as `tree_mask` (T, T) says
+    (None: a chain)."""
+    kv.reserve(table, start + len(tokens))
+    return Batch(torch.tensor(tokens), positions, torch.tensor(kv.slots(table, start, start + len(tokens))),
+                 torch.tensor([0, len(tokens)]), torch.tensor([start]), torch.tensor([table.blocks]), kv.block_size,
+                 tree_mask)

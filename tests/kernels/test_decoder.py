@@ -1,60 +1,89 @@
-"""The C++ decode step against the PyTorch forward, on every tiny family checkpoint."""
+"""The C++ step (the native runner over the paged cache) against the PyTorch forward over its static cache (the
+reference), on every tiny family checkpoint."""
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
 from fastdecode.config import ModelConfig
-from fastdecode.engine.generate import decode_one_token, prefill
+from fastdecode.engine.kv_cache import BlockTable, KVCache
 from fastdecode.kernels import native_ops
 from fastdecode.loading import load_model
 from fastdecode.models.transformer import Transformer
 from fastdecode.quant import KQuantLinear, quantize_model
 from fastdecode.quant.split import RowSplitLinear
-from fastdecode.runners.native_layers import NativeDecoder, native_decoder
+from fastdecode.runners.native import NativeRunner
+from fastdecode.runners.pytorch import TorchRunner
 from fastdecode.speculative.draft import Draft
 from tests.helpers.checkpoints import SPECS, VOCAB_SIZE, checkpoint, kquant_gguf, prompt_tokens
+from tests.helpers.paged import paged, run, tree_batch
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable on this machine")
 PROMPT = prompt_tokens(20)
 STEPS = 12
 
 
-def run(model, decode):
-    """Greedy decode from PROMPT, returning the logits of every step."""
-    logits, out = prefill(model, PROMPT), []
-    token = torch.empty((1, 1), dtype=torch.long)
-    for i in range(STEPS):
-        token[0, 0] = int(logits.argmax())
-        logits = decode(token, len(PROMPT) + i)
+def greedy(prefill, decode, prompt=PROMPT, steps=STEPS) -> tuple[list[int], torch.Tensor]:
+    """prefill(prompt) -> last logits; decode(token, pos) -> logits. Greedy decoding from the prompt -> (the tokens
+    fed to the steps, the logits of every step (steps, vocab))."""
+    logits, tokens, out = prefill(prompt), [], []
+    for i in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits = decode(tokens[-1], len(prompt) + i)
         out.append(logits)
-    return torch.stack(out)
+    return tokens, torch.stack(out)
+
+
+def native_steps(model, ops=None, prompt=PROMPT, steps=STEPS, torch_prompt: bool = False
+                 ) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding by the native runner (`ops`: a build of the kernels; default the package's): the prompt in one
+    forward (torch_prompt: by the PyTorch runner, into the same cache), then one forward a step, over one block table
+    of a paged cache."""
+    if ops is None:
+        runner, kv = paged(model, "native")
+    else:
+        model.setup_rope(256)
+        kv = KVCache.for_model(model.config, 128, block_size=8)
+        runner = NativeRunner(model, ops, kv)
+    prompt_runner = TorchRunner(model, kv) if torch_prompt else runner
+    table = BlockTable()
+    return greedy(lambda p: run(prompt_runner, kv, [(table, 0, p)])[0][-1],
+                  lambda t, pos: run(runner, kv, [(table, pos, [t])])[0][0], prompt, steps)
+
+
+@torch.inference_mode()
+def reference_steps(model, prompt=PROMPT, steps=STEPS, tokens: list[int] | None = None) -> torch.Tensor:
+    """The PyTorch forward over its static cache: greedy decoding from the prompt (or, given `tokens`, teacher-forced
+    on them) -> the logits of every step (steps, vocab)."""
+    model.setup_cache(len(prompt) + steps)
+
+    def prefill(p):
+        return model(torch.tensor([p]), 0)[0, -1]
+
+    def decode(t, pos):
+        return model(torch.tensor([[t]]), pos)[0, -1]
+
+    if tokens is not None:
+        prefill(prompt)
+        return torch.stack([decode(t, len(prompt) + i) for i, t in enumerate(tokens)])
+    return greedy(prefill, decode, prompt, steps)[1]
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_native_decode_equals_pytorch_forward(name):
     model = load_model(checkpoint(name).hf_dir)
-    model.setup_cache(64)
-    decoder = native_decoder(model)
-    assert decoder is not None
-    ours = run(model, decoder)
-    reference = run(model, lambda t, p: decode_one_token(model, t, p))
-    assert (ours - reference).abs().max().item() <= 1e-4
-
-
-def test_native_decoder_follows_a_replaced_cache():
-    model = load_model(checkpoint("llama").hf_dir)
-    model.setup_cache(64)
-    decoder = native_decoder(model)
-    model.setup_cache(48)  # e.g. a new max_seq_len: the decoder must write into the new cache
-    ours = run(model, decoder)
-    reference = run(model, lambda t, p: decode_one_token(model, t, p))
+    _, ours = native_steps(model)
+    reference = reference_steps(model)
     assert (ours - reference).abs().max().item() <= 1e-4
 
 
 def test_bfloat16_models_are_left_to_pytorch():
     model = load_model(checkpoint("llama").hf_dir, dtype=torch.bfloat16)
-    model.setup_cache(32)
-    assert not NativeDecoder.supports(model)
+    model.setup_rope(32)
+    kv = KVCache.for_model(model.config, 32, torch.float32, block_size=8)  # a cache the native step takes
+    assert NativeRunner.build(model, kv) is None
+    float_model = load_model(checkpoint("llama").hf_dir)
+    float_model.setup_rope(32)
+    assert NativeRunner.build(float_model, kv) is not None  # the weights' type alone made it decline
 
 
 # Vector attention holding 2 or 8 registers, and the plain loops (head sizes whose o_proj the int4 kernel takes);
@@ -76,17 +105,20 @@ def test_verify_step_reproduces_decode_steps_bit_for_bit(heads, head_dim, tree, 
 
 def assert_verify_reproduces_decode(model, prompt: list[int], tree: bool):
     """Four decode steps after `prompt`, then the same path verified in one step (as a chain, or inside a tree with
-    rejected siblings): the kept rows' logits equal the steps' bit for bit."""
-    model.setup_cache(len(prompt) + 8)
-    decoder = native_decoder(model)
+    rejected siblings) over the same cached prompt: the kept rows' logits equal the steps' bit for bit."""
+    runner, kv = paged(model, "native", blocks=(len(prompt) + 8) // 16 + 2, block_size=16,
+                       positions=len(prompt) + 8)
     path = [5, 9, 2, 7]
-    prefill(model, prompt)
-    steps = torch.stack([decoder(torch.tensor([[t]]), len(prompt) + i) for i, t in enumerate(path)])
+    table = BlockTable()
+    run(runner, kv, [(table, 0, prompt)])
+    steps = torch.stack([run(runner, kv, [(table, len(prompt) + i, [t])])[0][0] for i, t in enumerate(path)])
     tokens, parents = (path, [-1, 0, 1, 2]) if not tree else ([5, 11, 9, 2, 3, 7], [-1, 0, 0, 2, 2, 3])
     keep = [0, 2, 3, 5] if tree else [0, 1, 2, 3]
     draft = Draft(tokens[1:], [p - 1 for p in parents[1:]], [1.0] * (len(tokens) - 1))
     ids, positions, mask = draft.tree_inputs(tokens[0], len(prompt))
-    hidden = decoder.hidden(torch.tensor(ids), positions, len(prompt), mask)
+    assert (mask is None) == (not tree)
+    with torch.inference_mode():  # over the steps' rows in the cache, as the engine's verify step writes its tree
+        hidden = runner.forward(tree_batch(kv, table, len(prompt), ids, positions, mask))
     assert torch.equal(model.head(hidden)[keep], steps)
 
 
@@ -99,30 +131,28 @@ def test_native_decode_of_k_quants_equals_their_pytorch_forward():
     model = load_model(kquant_gguf("llama_k", K_TYPES), quant="gguf")
     assert isinstance(model.layers[0].mlp.down_proj, KQuantLinear)
     assert isinstance(model.layers[0].self_attn.qkv_proj, RowSplitLinear)  # Q4_K q/k, Q6_K v
-    model.setup_cache(64)
-    decoder = native_decoder(model)
-    assert decoder is not None  # every K-quant module is one the step runs, the two-format q/k/v too
-    ours = run(model, decoder)
-    reference = run(model, lambda t, p: decode_one_token(model, t, p))
+    # paged() asserts the runner is built: every K-quant module is one the step runs, the two-format q/k/v too.
+    # The prompt goes through PyTorch's modules, as the reference's does: the steps alone are compared.
+    _, ours = native_steps(model, torch_prompt=True)
+    reference = reference_steps(model)
     # The same kernels on the same activations, but the attention sums in another order, and a 1e-7 difference can
     # flip one activation's int8 rounding in a linear that quantizes them (all of them here): that step's logits
     # then move by about 1e-2 (one step in 12 on this model).
     steps = (ours - reference).abs().reshape(STEPS, -1).amax(-1)
     assert (steps <= 1e-4).sum() >= STEPS - 2 and steps.max() < 0.1
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+    # With the prompt's cache computed by the native step too, such flips come more often (a prompt row's keys
+    # and values carry them into every step), but the greedy tokens hold.
+    _, all_native = native_steps(model)
+    assert torch.equal(all_native.argmax(-1), reference.argmax(-1))
 
 
 def test_native_decode_of_k_quants_stays_near_the_dequantized_float_model():
     path = kquant_gguf("llama_k", K_TYPES)  # nothing requantized: q/k/v in two parts, each the file's blocks
     model, float_model = load_model(path, quant="gguf"), load_model(path)
-    model.setup_cache(64)
-    float_model.setup_cache(64)
-    ours = run(model, native_decoder(model))
+    tokens, ours = native_steps(model)
     # Teacher-forced on our tokens, so that one flipped token does not change every later step's context.
-    tokens = [prefill(model, PROMPT).argmax()] + [step.argmax() for step in ours[:-1]]
-    prefill(float_model, PROMPT)
-    reference = torch.stack([decode_one_token(float_model, t.view(1, 1), len(PROMPT) + i)
-                             for i, t in enumerate(tokens)])
+    reference = reference_steps(float_model, tokens=tokens)
     assert (ours - reference).norm() / reference.norm() < 0.05
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
 

@@ -13,10 +13,8 @@ import torch
 from fastdecode.kernels import jit, native_ops, native_ops_for
 from fastdecode.loading import load_model
 from fastdecode.quant import KQuantLinear, fp4, int4, int8
-from fastdecode.runners import native_layers as native_decoder_module
-from fastdecode.runners.native_layers import native_decoder
 from tests.helpers.checkpoints import checkpoint
-from tests.kernels.test_decoder import run
+from tests.kernels.test_decoder import native_steps
 from tests.quant.test_kquant import blocks
 
 wide = pytest.mark.skipif(not jit.cpu_has_avx512() or native_ops() is None,
@@ -80,13 +78,11 @@ def test_without_amx_the_vnni_tiled_kernel_gives_the_narrow_builds_bits_too():
 
 @wide
 @pytest.mark.parametrize("name", ["llama", "mistral_window"])
-def test_the_wide_build_decodes_as_the_narrow_one(name, monkeypatch):
-    """Attention in 16-float vectors (head size 16) and the whole step. Float weights: in an int4 model, a last-bit
-    difference can flip an activation's int8 rounding, which moves logits by a quantization step."""
+def test_the_wide_build_decodes_as_the_narrow_one(name):
+    """Attention in 16-float vectors (head size 16) and the whole step, the prompt's forward and the decode steps.
+    Float weights: in an int4 model, a last-bit difference can flip an activation's int8 rounding, which moves
+    logits by a quantization step."""
     model = load_model(checkpoint(name).hf_dir)
-    model.setup_cache(64)
-    wide_logits = run(model, native_decoder(model))
-    monkeypatch.setattr(native_decoder_module, "native_ops", lambda: native_ops_for("avx2"))
-    model.setup_cache(64)
-    narrow_logits = run(model, native_decoder(model))
+    _, wide_logits = native_steps(model, native_ops_for("avx512"))
+    _, narrow_logits = native_steps(model, native_ops_for("avx2"))
     assert (wide_logits - narrow_logits).abs().max().item() <= 1e-4

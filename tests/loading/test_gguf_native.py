@@ -121,12 +121,19 @@ def test_tied_embedding_shares_the_lm_head_module():
 
 
 def test_a_bfloat16_load_looks_up_bfloat16_rows_and_leaves_the_native_step():
-    from fastdecode.runners.native_layers import native_decoder
+    from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.kernels import native_ops
+    from fastdecode.runners.native import NativeRunner
 
     kept = load_gguf_native(uniform_gguf(QType.Q4_0), dtype=torch.bfloat16)
     assert kept.embed_tokens(torch.tensor([[1, 2]])).dtype == torch.bfloat16
-    kept.setup_cache(32)
-    assert native_decoder(kept) is None  # the C++ step takes float32 norms and embeddings only
+    kept.setup_rope(32)
+    kv = KVCache.for_model(kept.config, 32, torch.float32, block_size=8)  # a cache the native step takes
+    assert NativeRunner.build(kept, kv) is None  # the C++ step takes float32 norms and embeddings only
+    if native_ops() is not None:  # the same file loaded in float32 runs on it: the bfloat16 load alone declined
+        float_kept = load_gguf_native(uniform_gguf(QType.Q4_0))
+        float_kept.setup_rope(32)
+        assert NativeRunner.build(float_kept, kv) is not None
 
 
 def test_no_parameter_is_left_unloaded_or_float_where_kept():

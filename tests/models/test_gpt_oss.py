@@ -14,7 +14,6 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from fastdecode import LLM, SamplingParams
 from fastdecode.config import ModelConfig
-from fastdecode.engine.generate import decode_one_token
 from fastdecode.errors import UnsupportedModelError
 from fastdecode.loading import load_model
 from fastdecode.loading.gguf_file import GGUFFile
@@ -22,10 +21,10 @@ from fastdecode.loading.gguf_loader import block_tensors
 from fastdecode.loading.gguf_native import ModuleLoader
 from fastdecode.loading.gpt_oss import split_gate_up
 from fastdecode.quant.fp4 import Fp4Linear
-from fastdecode.runners.native_layers import model_supported, native_decoder
+from fastdecode.runners.native_layers import model_supported
 from tests.helpers.checkpoints import max_diff, our_run, prompt_tokens, reference_run, single_thread
 from tests.helpers.gpt_oss import build, gguf_checkpoint, hf_checkpoint
-from tests.kernels.test_decoder import run
+from tests.kernels.test_decoder import native_steps, reference_steps
 
 PROMPT = prompt_tokens(24)
 STEPS = 32
@@ -81,10 +80,10 @@ def test_prefill_and_cached_decode_match_transformers(kind):
 def test_native_step_equals_the_pytorch_forward(kind):
     """decode_step.cpp's sinks, clamped SwiGLU and softmax after the top-k against the modules' own forward."""
     model = load_model(checkpoint(kind)[1], quant="gguf")
-    model.setup_cache(64)
-    decoder = native_decoder(model)
-    assert decoder is not None
-    ours, reference = run(model, decoder), run(model, lambda t, p: decode_one_token(model, t, p))
+    # The native runner over a paged cache (built: paged() asserts it), prompt and steps, against the static-cache
+    # forward.
+    _, ours = native_steps(model)
+    reference = reference_steps(model)
     if kind == "gguf":
         assert max_diff(ours, reference) <= ATOL
     else:  # the same kernel on inputs an ulp apart (attention sums in another order): int8 roundings may differ
@@ -143,7 +142,7 @@ def test_speculation_on_gpt_oss_is_lossless(speculate):
     path = str(checkpoint("gguf_mxfp4")[1])
     prompts = ["def f(x):\n    return x + 1\n\ndef f(x):", "a b c a b c a b"]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    plain = LLM(path, max_seq_len=128, speculate="none", engine=speculate == "auto")
+    plain = LLM(path, max_seq_len=128, speculate="none")
     spec = LLM(path, max_seq_len=128, speculate=speculate)
     assert spec.decode_path == "native"
     for prompt in prompts:

@@ -31,10 +31,11 @@ STEPS = 20
 _LONG = PROMPT + prompt_tokens(16, seed=5)
 BATCH = [_LONG, _LONG + prompt_tokens(9, seed=1), prompt_tokens(17, seed=2), _LONG[:8] + prompt_tokens(21, seed=3),
          _LONG + prompt_tokens(30, seed=4)]
-# none and auto run on the serving engine (auto: suffix trees and n-gram chains); layerskip on the single-request
-# loop (shallow hidden + head passes); both drafting at every step, the adaptive policy off (see
-# workers.tiny_models). oracle: tree drafts whose accepted paths move cache entries, on the engine (the paged
-# cache's moves) and on the loop (oracle_loop: the static cache's); see workers.oracle_speculator. batch: BATCH.
+# Every setting runs on the serving engine: none; auto (suffix trees and n-gram chains); layerskip (each draft depth a
+# step of the first layers over every rank's cache, its layer count in the broadcast step); all drafting at every
+# step, the adaptive policy off (see workers.tiny_models). oracle: tree drafts whose accepted paths move cache
+# entries on every rank (the paged cache's mirror); see workers.oracle_speculator. batch: BATCH, plain;
+# batch_layerskip: BATCH with layerskip.
 SPECULATIONS = {name: ["none"] for name in MODELS} | {
-    "qwen2": ["none", "auto", "batch"], "llama_uneven": ["none", "oracle", "oracle_loop", "batch"],
+    "qwen2": ["none", "auto", "batch"], "llama_uneven": ["none", "oracle", "layerskip", "batch_layerskip"],
     "gemma3_uneven": ["none", "layerskip", "oracle", "batch"]}

@@ -24,22 +24,14 @@ def greedy_run(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list
 
 def oracle_speculator(llm, truth: list[int]):
     """A tree drafter that knows the answer but puts a wrong sibling before each right token, verified in full:
-    accepted paths leave the first branch, so the cache moves of keep_path run on every rank. On the engine
-    ("oracle") its moves go through the paged cache's mirror; on the single-request loop ("oracle_loop", which the
-    model drafters use) through Leader.move_kv."""
-    from fastdecode.parallel.llm import ParallelSpeculator
+    accepted paths leave the first branch, so the cache moves run on every rank (the paged cache's mirror)."""
     from fastdecode.speculative.batch import BatchSpeculator
     from fastdecode.speculative.policy import Policy
     from tests.speculative.helpers import OracleDrafter, flat_cost
 
-    def drafters(memory=None):
-        return [OracleDrafter(truth, llm.config.vocab_size, tree=True)]
-    if llm.engine is not None:
-        llm.engine.speculator = llm.engine.scheduler.speculator = BatchSpeculator(
-            "oracle", drafters, Policy(flat_cost(), adaptive=False))
-    else:
-        llm.speculator = ParallelSpeculator("oracle", llm.model, None, drafters(), llm.max_seq_len, adaptive=False,
-                                            cost=flat_cost())
+    llm.engine.speculator = llm.engine.scheduler.speculator = BatchSpeculator(
+        "oracle", lambda memory: [OracleDrafter(truth, llm.config.vocab_size, tree=True)],
+        Policy(flat_cost(), adaptive=False))
 
 
 def concurrent_greedy(llm, prompts: list[list[int]], steps: int) -> list[tuple[list[int], int]]:
@@ -67,20 +59,18 @@ def tiny_models(rank: int, world: int, cases: list[tuple], prompt: list[int], st
         model = install_collectives(load_shard(hf_dir, rank, world), None)
         out[name] = {"run": greedy_run(model, prompt, steps)}
         for spec in speculations:
-            speculate = {"oracle": "none", "oracle_loop": "layerskip", "batch": "none"}.get(spec, spec)
+            speculate = {"oracle": "none", "batch": "none", "batch_layerskip": "layerskip"}.get(spec, spec)
             llm = ParallelLLM(gguf_path, tp=world, max_seq_len=96, speculate=speculate, timeout_s=60)
             if not llm.leads:
                 llm.follow()
                 continue
-            if spec.startswith("oracle"):
+            if spec == "oracle":
                 oracle_speculator(llm, prompt + truth)
-            elif llm.engine is not None and llm.engine.speculator is not None:
-                llm.engine.speculator.policy.adaptive = False  # draft at every step (see below)
-            elif llm.speculator is not None:
+            elif llm.engine.speculator is not None:
                 # Draft at every step: the adaptive policy weighs measured step times, so whether it drafts in a
                 # 16-token run would depend on how busy the machine is (test_speculation_under_tp_... flaked).
-                llm.speculator.policy.adaptive = False
-            if spec == "batch":
+                llm.engine.speculator.policy.adaptive = False
+            if spec.startswith("batch"):
                 first = concurrent_greedy(llm, batch[:1], steps)
                 out[name][spec] = first + concurrent_greedy(llm, batch[1:], steps)
                 out[name]["decode_path"] = llm.decode_path

@@ -8,11 +8,12 @@ from itertools import pairwise
 
 from starlette.testclient import TestClient
 
-from fastdecode.engine.generate import Timings
+from fastdecode.engine.timings import Timings
 from fastdecode.engine.llm import LLM, Completion, StreamChunk
 from fastdecode.server.app import create_app
 from fastdecode.server.config import ServerConfig
 from tests.helpers.chat_models import chat_model
+from tests.server.stub import Chunks
 
 
 class CannedLLM:
@@ -38,26 +39,7 @@ class CannedLLM:
         yield StreamChunk("", [], completion=Completion(self.script, token_ids, list(prompt_ids), "stop", timings))
 
     def astream(self, prompt_ids, params=None, logits_processor=None, **kw):
-        return Chunks(list(self.stream(prompt_ids, params)))
-
-
-class Chunks:
-    """Chunks as LLM.astream hands them out."""
-
-    def __init__(self, chunks: list[StreamChunk]):
-        self.chunks = iter(chunks)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> StreamChunk:
-        try:
-            return next(self.chunks)
-        except StopIteration:
-            raise StopAsyncIteration from None
-
-    def close(self):
-        pass
+        return Chunks(self.stream(prompt_ids, params))
 
 
 @contextmanager

@@ -14,12 +14,32 @@ MODEL = "stub"
 SECRET = "/home/someone/private/state.bin"  # what an engine's exception may say and a client must never see
 
 
+class Chunks:
+    """Chunks (any iterable, read as the server asks: an error raised while making one reaches the reader) as
+    LLM.astream hands them out."""
+
+    def __init__(self, chunks):
+        self.chunks = iter(chunks)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        try:
+            return next(self.chunks)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def close(self):
+        pass
+
+
 class UnreachableLLM:
     name = MODEL
     max_seq_len = 64
     config = SimpleNamespace(vocab_size=100)
-    engine = None  # no batching engine: the server gives it one slot, and reads its blocking stream
-    slots, streams_on_loop = 1, False
+    engine = None  # no engine here: the server gives it one slot
+    slots = 1
 
     @staticmethod
     def status() -> dict:
@@ -37,9 +57,11 @@ class MidStreamFailureLLM(UnreachableLLM):
     """Generates one token of a token-id prompt, then fails as a bug or a lost tensor-parallel rank would."""
     tokenizer = None
 
-    def stream(self, prompt_ids, params, logits_processor=None, **kw):
-        yield StreamChunk("hi", [1])
-        raise RuntimeError(f"cannot read {SECRET}")
+    def astream(self, prompt_ids, params, logits_processor=None, **kw):
+        def chunks():
+            yield StreamChunk("hi", [1])
+            raise RuntimeError(f"cannot read {SECRET}")
+        return Chunks(chunks())
 
 
 class UntokenizableLLM(UnreachableLLM):

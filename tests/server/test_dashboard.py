@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from fastdecode.engine.generate import Timings
+from fastdecode.engine.timings import Timings
 from fastdecode.engine.llm import Completion, StreamChunk
 from fastdecode.server.dashboard import Recorder, summary
 from tests.helpers.chromium import headless_chromium
 from tests.server.conftest import API_KEY
-from tests.server.stub import stub_client
+from tests.server.stub import Chunks, stub_client
 
 KEY, OTHER_KEY = "k3y", "other-k3y"
 PROMPT = "the secret plans of tenant one"
@@ -23,7 +23,7 @@ class TimedLLM:
     """Answers any prompt with two tokens and fixed timings: 8 prompt tokens, 4 of them cached, 3 of 4 drafts
     accepted."""
     name, max_seq_len, engine = "stub", 64, None
-    slots, streams_on_loop = 1, False
+    slots = 1
     config = SimpleNamespace(vocab_size=100)
     tokenizer = SimpleNamespace(max_token_chars=4)
 
@@ -35,7 +35,10 @@ class TimedLLM:
     def encode_prompt(text: str) -> list[int]:
         return [ord(c) % 100 for c in text[:8]]
 
-    def stream(self, prompt_ids, params, logits_processor=None, **kw):
+    def astream(self, prompt_ids, params, logits_processor=None, **kw):
+        return Chunks(self.stream(prompt_ids))
+
+    def stream(self, prompt_ids):
         timings = Timings(prompt_tokens=len(prompt_ids), output_tokens=2, ttft_s=0.05, prefill_s=0.04, decode_s=0.02,
                           cached_tokens=4)
         yield StreamChunk("he", [1])

@@ -2,7 +2,7 @@
 log-probability is sent exactly once, usage counts tokens."""
 import json
 
-from fastdecode.engine.generate import Timings
+from fastdecode.engine.timings import Timings
 from fastdecode.engine.llm import Completion, StreamChunk
 from fastdecode.server.formats import HermesParser, ReplyFormat
 from fastdecode.server.protocol import DONE, ChatFormatter, TextFormatter, sse

@@ -1,13 +1,12 @@
 """The FIFO in front of the engine, with stand-in streams in LLM.astream's form (async iterators with close()): order,
-bound, cancel and time limit; and the thread that reads the single-request loop's blocking stream."""
+bound, cancel and time limit."""
 import asyncio
-import threading
 import time
 
 import pytest
 
 from fastdecode.engine.llm import StreamChunk
-from fastdecode.server.scheduler import QueueFull, QueueTimeout, Scheduler, threaded_stream
+from fastdecode.server.scheduler import QueueFull, QueueTimeout, Scheduler
 
 
 class Stream:
@@ -167,37 +166,3 @@ def test_queue_of_zero_still_serves_one_at_a_time():
         await chunks.aclose()
         return await drain(scheduler.submit(tokens("c", 1, log), 60))
     assert asyncio.run(main()) == ["c0"]
-
-
-def test_a_blocking_stream_is_read_on_its_own_thread_and_stopped_by_close():
-    seen = {}
-
-    def blocking(cancel: threading.Event):  # as LLM.stream with `cancel`: it looks at the event between chunks
-        seen["thread"] = threading.current_thread().name
-        i = 0
-        while not cancel.wait(0.01):
-            yield StreamChunk(str(i), [i])
-            i += 1
-        seen["stopped"] = True
-
-    async def main():
-        stream = threaded_stream(blocking)
-        first = [await anext(stream) for _ in range(3)]
-        stream.close()
-        rest = [c async for c in stream]  # what was already posted, then the end
-        return [c.text for c in first], len(rest)
-    first, _ = asyncio.run(main())
-    time.sleep(0.1)
-    assert first == ["0", "1", "2"] and seen == {"thread": "fastdecode-request", "stopped": True}
-
-
-def test_a_blocking_streams_error_reaches_the_reader():
-    def failing(cancel):
-        yield StreamChunk("a", [1])
-        raise ValueError("bad")
-
-    async def main():
-        stream = threaded_stream(failing)
-        return (await anext(stream)).text, await asyncio.gather(anext(stream), return_exceptions=True)
-    text, (error,) = asyncio.run(main())
-    assert text == "a" and isinstance(error, ValueError)

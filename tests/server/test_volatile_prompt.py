@@ -1,6 +1,6 @@
 """What an agent sends that changes between sessions and is no instruction stays out of the prompt, so that the
 prefix cache reuses the long system prompt and tool schemas of an earlier session (docs/agents.md). Real template
-and tokenizer (a tiny Qwen3-style chat model), no engine."""
+and tokenizer (a tiny Qwen3-style chat model); nothing is generated."""
 import pytest
 
 from fastdecode.engine.llm import LLM
@@ -17,7 +17,7 @@ TOOL = {"name": "Read", "description": "Reads a file.",
 
 @pytest.fixture(scope="module")
 def served():
-    llm = LLM(str(chat_model("qwen3")), max_seq_len=4096, native=False, engine=False)
+    llm = LLM(str(chat_model("qwen3")), max_seq_len=4096, native=False)
     yield ServedModel(llm)
     llm.close()
 

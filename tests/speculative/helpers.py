@@ -1,19 +1,20 @@
-"""A tiny target with the native decoder (int4: bit-exact across verify sizes), an oracle drafter, and plain/
-speculative runs of it."""
+"""A tiny target on the engine (native runner, int4: bit-exact across verify sizes), an oracle drafter, and plain/
+speculative runs of it: several requests at once through one engine step loop, as the server runs them."""
 import random
 
 import torch
 
-from fastdecode.engine.generate import Timings, generate_tokens
-from fastdecode.engine.sampling import Sampler, SamplingParams
+from fastdecode.engine.engine import Engine
+from fastdecode.engine.sampling import SamplingParams
+from fastdecode.engine.scheduler import SchedulerConfig
 from fastdecode.quant import quantize_model
-from fastdecode.runners.native_layers import native_decoder
+from fastdecode.speculative.batch import BatchSpeculator
 from fastdecode.speculative.draft import Draft
 from fastdecode.speculative.drafter import Drafter
-from fastdecode.speculative.policy import CostModel
-from fastdecode.speculative.speculator import Speculator
+from fastdecode.speculative.policy import CostModel, Policy
+from fastdecode.speculative.stats import SpeculationStats
+from tests.helpers.paged import paged
 from tests.helpers.tiny import tiny_model
-
 
 
 def flat_cost() -> CostModel:
@@ -22,6 +23,7 @@ def flat_cost() -> CostModel:
 
 
 def tiny_target(quant: str | None = "int4", native: bool = True, seed: int = 0, max_seq_len: int = 256):
+    """-> (model, runner over a paged cache of its own, room for a few sequences of max_seq_len)."""
     model = tiny_model(tied=False)
     if seed:
         torch.manual_seed(seed)
@@ -32,21 +34,44 @@ def tiny_target(quant: str | None = "int4", native: bool = True, seed: int = 0, 
             p.data.mul_(4.0)
     if quant:
         quantize_model(model, quant)
-    model.setup_cache(max_seq_len)
-    return model, native_decoder(model) if native else None
+    runner, _ = paged(model, "native" if native else "pytorch", blocks=8 * max_seq_len // 32, block_size=32,
+                      positions=max_seq_len)
+    return model, runner
 
 
-def plain_tokens(model, decoder, prompt, params: SamplingParams, stop=()) -> list[int]:
-    sampler = Sampler(params, model.config.vocab_size, prompt)
-    return list(generate_tokens(model, prompt, sampler, params.max_tokens, set(stop), Timings(), decoder))
+def run_requests(model, runner, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 speculator: BatchSpeculator | None = None, stop=(), max_seq_len: int = 256):
+    """All prompts at once through one engine (driven here, no thread) -> [(output tokens, SpeculationStats or
+    None)] in the prompts' order."""
+    engine = Engine(model, runner.kv, runner, max_seq_len, SchedulerConfig(max_batch=len(prompts)), speculator,
+                    background=False)
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    seqs = [engine.add_request(p, q, stop_ids=set(stop)) for p, q in zip(prompts, params)]
+    while engine.pump():
+        pass
+    for seq in seqs:
+        kinds = []
+        while not seq.outbox.empty():
+            kinds.append(seq.outbox.get()[0])
+        assert "error" not in kinds and seq.finished, f"a request did not finish cleanly: {kinds}"
+    return [(seq.tokens[len(seq.prompt_ids):], seq.speculation.stats if seq.speculation else None) for seq in seqs]
 
 
-def speculative_tokens(model, decoder, drafters, prompt, params: SamplingParams, adaptive=False, stop=(), cost=None):
-    spec = Speculator("test", model, decoder, drafters, model.max_seq_len, adaptive=adaptive,
-                      cost=cost or flat_cost())
-    sampler = Sampler(params, model.config.vocab_size, prompt)
-    tokens, stats = spec.generate_tokens(prompt, sampler, params.max_tokens, set(stop), Timings())
-    return list(tokens), stats
+def speculator(make_drafters, adaptive: bool = False, cost: CostModel | None = None, chain=None, taps=None,
+               name: str = "test") -> BatchSpeculator:
+    """make_drafters() -> one request's drafters; chain: a drafter for every sequence at once (model_drafters)."""
+    return BatchSpeculator(name, lambda memory: make_drafters(), Policy(cost or flat_cost(), 24, adaptive), chain,
+                           taps)
+
+
+def plain_tokens(model, runner, prompt, params: SamplingParams, stop=()) -> list[int]:
+    return run_requests(model, runner, [prompt], params, stop=stop)[0][0]
+
+
+def speculative_tokens(model, runner, make_drafters, prompt, params: SamplingParams, adaptive=False, stop=(),
+                       cost=None, chain=None, taps=None) -> tuple[list[int], SpeculationStats]:
+    return run_requests(model, runner, [prompt], params, speculator(make_drafters, adaptive, cost, chain, taps),
+                        stop)[0]
 
 
 class OracleDrafter(Drafter):

@@ -5,15 +5,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastdecode.engine.kv_cache import BlockTable
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.errors import InvalidRequestError
 from fastdecode.kernels import native_ops
+from fastdecode.layers.rotary import rope_cache
 from fastdecode.speculative.eagle.drafter import EagleDrafter, MTPDrafter
-from fastdecode.speculative.eagle.features import forward_taps, sequence_taps
+from fastdecode.speculative.eagle.features import sequence_taps
 from fastdecode.speculative.eagle.head import build_head, head_config_for, init_from_target, load_head, save_head
-from fastdecode.speculative.model_drafters import forward_logits
 from fastdecode.train.trainer import Target, TrainOptions, fit
-from tests.speculative.helpers import plain_tokens, speculative_tokens, tiny_target
+from tests.helpers.paged import run, tree_batch
+from tests.speculative.helpers import plain_tokens, run_requests, speculative_tokens, speculator, tiny_target
 
 native = pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable")
 PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 3], list(range(10, 40))]
@@ -29,42 +31,62 @@ def random_head(model, kind="eagle", seed=0):
     return head.eval().requires_grad_(False), cfg
 
 
-def drafter(model, kind, tree, seed=0):
+def head_drafters(model, kind, tree, seed=0):
+    """-> (a maker of one request's drafters: one over a random head, the target layers it reads), as
+    eagle.head_drafters binds a trained one."""
     head, cfg = random_head(model, kind, seed)
     if kind == "mtp":
-        return MTPDrafter(head, cfg, model, top_k=3 if tree else 1)
-    return EagleDrafter(head, cfg, model, model.max_seq_len, top_k=4 if tree else 1, depth=4, min_score=0.0)
+        return (lambda: [MTPDrafter(head, cfg, model, top_k=3 if tree else 1)]), cfg.taps
+    c = model.config
+    rope = rope_cache(cfg.head_dim, model.max_seq_len + 64, c.rope_theta, c.rope_scaling)
+    return (lambda: [EagleDrafter(head, cfg, model, rope, top_k=4 if tree else 1, depth=4, min_score=0.0)]), cfg.taps
 
 
-@native
-def test_taps_leave_the_verify_logits_bit_identical():
-    model, decoder = tiny_target()
+@pytest.mark.parametrize("runner_name", [pytest.param("native", marks=native), "pytorch"])
+def test_taps_leave_the_verify_logits_bit_identical(runner_name):
+    """A verify step (a token tree over a cached prefix) with the taps kept on the way gives the plain forward's
+    logits bit for bit, and the taps are the residuals after those layers."""
+    model, runner = tiny_target(quant="int4" if runner_name == "native" else None, native=runner_name == "native")
+    kv, table, D = runner.kv, BlockTable(), model.config.hidden_size
+    run(runner, kv, [(table, 0, list(range(20, 30)))])  # 10 tokens cached before the tree
     tokens, positions = [3, 7, 1, 9], torch.arange(10, 14)
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    plain = forward_logits(model, decoder, tokens, positions, 10, mask)
-    tapped, taps = forward_taps(model, decoder, tokens, positions, 10, mask, [0, 1])
-    assert torch.equal(plain, tapped)
-    assert taps.shape == (4, 2 * model.config.hidden_size)
+    batch = tree_batch(kv, table, 10, tokens, positions, mask)
+    with torch.inference_mode():
+        plain = model.head(runner.forward(batch))
+        tapped, taps = runner.forward_taps(batch, [0, 1])
+        first_layer = runner.forward(batch, stop=1)
+    assert torch.equal(plain, model.head(tapped))
+    assert taps.shape == (4, 2 * D)
+    assert model.config.num_hidden_layers == 2  # so the residual after layer 1 is the final hidden state
+    assert torch.equal(taps[:, :D], first_layer) and torch.equal(taps[:, D:], tapped)
 
 
 @native
 @pytest.mark.parametrize("kind, tree, adaptive", [("eagle", False, False), ("eagle", True, False),
                                                   ("eagle", True, True), ("mtp", False, False), ("mtp", True, True)])
 def test_greedy_output_with_a_head_equals_plain_decoding(kind, tree, adaptive):
-    model, decoder = tiny_target()
-    for prompt in PROMPTS:
-        expected = plain_tokens(model, decoder, prompt, GREEDY)
-        got, stats = speculative_tokens(model, decoder, [drafter(model, kind, tree)], prompt, GREEDY, adaptive)
-        assert got == expected
+    model, runner = tiny_target()
+    make, taps = head_drafters(model, kind, tree)
+    expected = [plain_tokens(model, runner, prompt, GREEDY) for prompt in PROMPTS]
+    for prompt, want in zip(PROMPTS, expected):
+        got, stats = speculative_tokens(model, runner, make, prompt, GREEDY, adaptive, taps=taps)
+        assert got == want
     if not adaptive:
         assert stats.verify_steps > 0
+    # Both requests in one batch: each one's drafter gets its own rows' taps.
+    together = run_requests(model, runner, PROMPTS, GREEDY, speculator(make, adaptive, taps=taps))
+    assert [got for got, _ in together] == expected
+    if not adaptive:
+        assert all(stats.verify_steps > 0 for _, stats in together)
 
 
-def test_pytorch_forward_path_with_a_head_is_lossless():
-    model, _ = tiny_target(quant=None, native=False)
+def test_pytorch_runner_with_a_head_is_lossless():
+    model, runner = tiny_target(quant=None, native=False)
+    make, taps = head_drafters(model, "eagle", tree=True)
     for prompt in PROMPTS[:1]:
-        expected = plain_tokens(model, None, prompt, GREEDY)
-        got, stats = speculative_tokens(model, None, [drafter(model, "eagle", tree=True)], prompt, GREEDY)
+        expected = plain_tokens(model, runner, prompt, GREEDY)
+        got, stats = speculative_tokens(model, runner, make, prompt, GREEDY, taps=taps)
         assert got == expected and stats.drafted > 0
 
 
@@ -72,12 +94,13 @@ def test_pytorch_forward_path_with_a_head_is_lossless():
 def test_sampling_with_a_head_reproduces_plain_sampling_for_a_seed():
     """The head drafts deterministically (one-hot q), so verification draws from the same distributions in the same
     order as plain decoding (as for the oracle in test_rejection.py): the same seed gives the same tokens."""
-    model, decoder = tiny_target()
+    model, runner = tiny_target()
+    make, taps = head_drafters(model, "eagle", tree=True)
     for seed in range(2):
         params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)
-        expected = plain_tokens(model, decoder, PROMPTS[0], params)
-        got, _ = speculative_tokens(model, decoder, [drafter(model, "eagle", tree=True)], PROMPTS[0], params)
-        assert got == expected
+        expected = plain_tokens(model, runner, PROMPTS[0], params)
+        got, stats = speculative_tokens(model, runner, make, PROMPTS[0], params, taps=taps)
+        assert got == expected and stats.drafted > 0
 
 
 def test_a_head_for_another_target_is_refused(tmp_path):
@@ -92,13 +115,13 @@ def test_a_head_for_another_target_is_refused(tmp_path):
         load_head(tmp_path / "missing", model)
 
 
-def tiny_data(model, n=8, T=48):
+def tiny_data(model, runner, n=8, T=48):
     """The target's own greedy continuations of random prompts, teacher-forced: (ids, taps, preds) windows."""
     g = torch.Generator().manual_seed(0)
     ids, taps, preds = [], [], []
     for _ in range(n):
         prompt = torch.randint(0, model.config.vocab_size, (8,), generator=g).tolist()
-        seq = prompt + plain_tokens(model, None, prompt, SamplingParams(max_tokens=T - 8, ignore_eos=True))
+        seq = prompt + plain_tokens(model, runner, prompt, SamplingParams(max_tokens=T - 8, ignore_eos=True))
         t, p = sequence_taps(model, seq, [0, 1])
         ids.append(torch.tensor(seq, dtype=torch.int32))
         taps.append(t)
@@ -111,16 +134,16 @@ OPTS = dict(model="tiny", window=48, steps=3, batch=4, lr=3e-3, checkpoint_every
 
 @pytest.mark.parametrize("kind", ["eagle", "mtp"])
 def test_training_reduces_the_loss(tmp_path: Path, kind):
-    model, _ = tiny_target(quant=None, native=False)
+    model, runner = tiny_target(quant=None, native=False)
     cfg = head_config_for(model, kind, "tiny", draft_vocab_size=96, mtp_depth=3)
-    summary = fit(TrainOptions(out=tmp_path, kind=kind, **OPTS), cfg, Target.of(model), tiny_data(model), Quiet(),
-                  lambda *a: None)
+    summary = fit(TrainOptions(out=tmp_path, kind=kind, **OPTS), cfg, Target.of(model), tiny_data(model, runner),
+                  Quiet(), lambda *a: None)
     assert summary["final_loss"] < 0.85 * summary["first_loss"]
 
 
 def test_interrupted_training_resumes_to_the_same_head(tmp_path: Path):
-    model, _ = tiny_target(quant=None, native=False)
-    data, target = tiny_data(model), Target.of(model)
+    model, runner = tiny_target(quant=None, native=False)
+    data, target = tiny_data(model, runner), Target.of(model)
     cfg = lambda: head_config_for(model, "eagle", "tiny", draft_vocab_size=96)  # noqa: E731
     fit(TrainOptions(out=tmp_path / "whole", **OPTS), cfg(), target, data, Quiet(), lambda *a: None)
     with pytest.raises(KeyboardInterrupt):  # interrupted after 6 steps: the checkpoint holds step 4

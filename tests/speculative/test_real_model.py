@@ -7,7 +7,6 @@ import pytest
 from fastdecode.engine.llm import LLM
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.kernels import native_ops
-from fastdecode.speculative.batch import MODEL_FREE
 from fastdecode.workloads import CATEGORIES, load_workload
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable")
@@ -16,15 +15,18 @@ PARAMS = SamplingParams(max_tokens=128, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llms(smollm2_path):
-    """One LLM per --speculate value, built on first use: the model-free drafters on the engine, layerskip on the
-    single-request loop (whose prefill runs PyTorch's forward, so it has its own plain reference)."""
+    """One LLM per --speculate value, built on first use; every one serves on the engine. "draft:self": the target
+    drafting for itself as a draft model (its own weights, its own cache)."""
     made = {}
 
-    def get(spec: str, engine: bool = True):
-        if (spec, engine) not in made:
-            made[(spec, engine)] = LLM(str(smollm2_path), quant="int4", threads=2, speculate=spec, engine=engine)
-        return made[(spec, engine)]
-    return get
+    def get(spec: str):
+        if spec not in made:
+            value = f"draft:{smollm2_path}" if spec == "draft:self" else spec
+            made[spec] = LLM(str(smollm2_path), quant="int4", threads=2, speculate=value)
+        return made[spec]
+    yield get
+    for llm in made.values():
+        llm.close()
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +37,23 @@ def prompts(llms):
 
 @pytest.fixture(scope="module")
 def plain(llms, prompts):
-    """Plain greedy tokens on the engine, and on the single-request loop."""
-    return {engine: [llms("none", engine).generate(p, PARAMS).token_ids for p in prompts] for engine in (True, False)}
+    """Plain greedy tokens, each prompt alone."""
+    return [llms("none").generate(p, PARAMS).token_ids for p in prompts]
 
 
 @pytest.mark.parametrize("spec,forced,count", [(s, False, 20) for s in ("ngram", "suffix", "layerskip", "auto")]
-                         + [("ngram", True, 5), ("suffix", True, 5)])
+                         + [("draft:self", False, 5), ("ngram", True, 5), ("suffix", True, 5)])
 def test_every_drafter_reproduces_plain_greedy_decoding(llms, prompts, plain, spec, forced, count):
-    """As shipped (adaptive) on all 20 prompts; forced (every draft of up to 8 nodes verified in full, the most
-    rejections and cache moves) on 5, as a chain (ngram) and as a tree (suffix)."""
-    engine = spec in MODEL_FREE
-    llm = llms(spec, engine)
-    policy = llm.engine.speculator.policy if engine else llm.speculator.policy
+    """As shipped (adaptive) on all 20 prompts (a draft model on 5); forced (every draft of up to 8 nodes verified
+    in full, the most rejections and cache moves) on 5, as a chain (ngram) and as a tree (suffix)."""
+    llm = llms(spec)
+    policy = llm.engine.speculator.policy
     saved = policy.adaptive, policy.max_nodes
     if forced:
         policy.adaptive, policy.max_nodes = False, 8
     accepted = verified = 0
     try:
-        for i, (prompt, expected) in enumerate(zip(prompts[:count], plain[engine])):
+        for i, (prompt, expected) in enumerate(zip(prompts[:count], plain)):
             completion = llm.generate(prompt, PARAMS)
             assert completion.token_ids == expected, f"{spec} diverged on prompt {i}"
             accepted += completion.speculation["accepted"]

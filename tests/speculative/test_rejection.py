@@ -84,13 +84,13 @@ def test_greedy_target_with_a_stochastic_drafter_emits_the_argmax():
 def test_sampled_speculative_decoding_reproduces_plain_sampling_for_a_seed():
     """With a deterministic drafter, verification draws from the same distributions in the same order as plain
     decoding, and the int4 native verify is bit-exact: the same seed gives the same tokens."""
-    model, decoder = tiny_target()
+    model, runner = tiny_target()
     prompt = [1, 5, 9, 5, 9, 5, 9, 3]
     for seed in range(5):
         params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, repetition_penalty=1.1, seed=seed,
                                 ignore_eos=True)
-        expected = plain_tokens(model, decoder, prompt, params)
+        expected = plain_tokens(model, runner, prompt, params)
         oracle = OracleDrafter(prompt + expected, model.config.vocab_size, tree=True, seed=seed)
-        got, stats = speculative_tokens(model, decoder, [oracle], prompt, params)
+        got, stats = speculative_tokens(model, runner, lambda: [oracle], prompt, params)
         assert got == expected
         assert stats.accepted > 0

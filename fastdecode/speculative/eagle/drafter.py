@@ -16,7 +16,6 @@ import heapq
 import torch
 import torch.nn.functional as F
 
-from fastdecode.layers.rotary import rope_cache
 from fastdecode.speculative.draft import Draft
 from fastdecode.speculative.drafter import Drafter
 
@@ -34,7 +33,10 @@ class FeatureDrafter(Drafter):
         self.pending = []
 
     def observe_features(self, pos: int, taps: torch.Tensor):
-        """taps (m, n_taps * D) of the tokens at positions pos..pos+m-1, as the target computed them."""
+        """taps (m, n_taps * D) of the tokens at positions pos..pos+m-1, as the target computed them. Taps that do
+        not follow the pending ones (a preempted request computes its tokens again) replace them."""
+        if self.pending and pos != self.pending[-1][0] + self.pending[-1][1].shape[0]:
+            self.pending = []
         self.pending.append((pos, taps))
 
     def take_pending(self, upto: int) -> tuple[int, torch.Tensor] | None:
@@ -51,23 +53,27 @@ class FeatureDrafter(Drafter):
 
 
 class EagleDrafter(FeatureDrafter):
-    def __init__(self, head, cfg, model, max_seq_len: int, top_k: int = 8, depth: int = 5, min_score: float = 0.02,
-                 name: str = "eagle"):
-        """top_k 1: a chain. min_score: a node whose path probability falls below it is not expanded."""
+    def __init__(self, head, cfg, model, rope: torch.Tensor, top_k: int = 8, depth: int = 5,
+                 min_score: float = 0.02, name: str = "eagle"):
+        """rope: the head's rotary table (shared by every request's drafter). top_k 1: a chain. min_score: a node
+        whose path probability falls below it is not expanded."""
         super().__init__(head, cfg, model, name)
         self.top_k, self.depth, self.min_score = top_k, depth, min_score
         self.scratch = depth * top_k + 1  # cache slots for draft entries after the real ones
-        slots = max_seq_len + self.scratch
-        c = model.config
-        self.k = torch.zeros(1, cfg.num_key_value_heads, slots, cfg.head_dim)
-        self.v = torch.zeros_like(self.k)
-        self.rope = rope_cache(cfg.head_dim, slots, c.rope_theta, c.rope_scaling)
-        self.real = 0  # real entries (the target's own features) in the cache: positions 0..real-1
+        self.rope = rope
+        self.k = self.v = None
+        # Real entries (the target's own features) at positions base..real-1, in cache slots 0..real-base-1: a
+        # request whose prompt was partly a prefix-cache hit has no taps before its first computed position.
+        self.base = self.real = 0
         self.last: torch.Tensor | None = None  # the head's output at the last real entry (1, D)
 
     def start(self, prompt_ids, params=None):
         super().start(prompt_ids, params)
-        self.real, self.last = 0, None
+        slots = len(prompt_ids) + (params.max_tokens if params is not None else 0) + self.scratch
+        self.k = torch.zeros(1, self.cfg.num_key_value_heads, min(slots, self.rope.shape[1]), self.cfg.head_dim)
+        self.v = torch.zeros_like(self.k)
+        self.base = self.real = 0
+        self.last = None
 
     def attend(self, feature, tokens, positions, slots: slice, mask):
         """Head forward over entries (feature (T, D), token) at positions, written to `slots` -> output (T, D)."""
@@ -87,14 +93,14 @@ class EagleDrafter(FeatureDrafter):
         if pending is None:
             return
         first, taps = pending
-        if first != self.real:  # the speculator skipped a step's features: start over from what we have
-            raise RuntimeError(f"eagle: taps from position {first}, cache holds {self.real}")
-        T = taps.shape[0]
+        if first != self.real:  # a prefix-cache hit or a recomputed request: start over from these taps
+            self.base = self.real = first
+        T, slot = taps.shape[0], first - self.base
         positions = torch.arange(first, first + T)
         mask = None
         if T > 1:
-            mask = torch.ones(T, first + T, dtype=torch.bool).tril(first)
-        out = self.attend(self.head.fuse(taps), context[first + 1:first + 1 + T], positions, slice(first, first + T),
+            mask = torch.ones(T, slot + T, dtype=torch.bool).tril(slot)
+        out = self.attend(self.head.fuse(taps), context[first + 1:first + 1 + T], positions, slice(slot, slot + T),
                           mask)
         self.real, self.last = first + T, out[-1:]
 
@@ -110,7 +116,8 @@ class EagleDrafter(FeatureDrafter):
         hidden = [self.last[0]] * self.top_k  # the head output each node was predicted from
         slot_of: dict[int, int] = {}  # expanded node -> its cache slot
         level = list(range(self.top_k))
-        free = self.real  # next scratch slot
+        real = self.real - self.base  # slots of real entries
+        free = real  # next scratch slot
         for d in range(1, self.depth):
             expand = sorted(level, key=lambda i: -scores[i])[:self.top_k]
             expand = [i for i in expand if scores[i] >= self.min_score]
@@ -119,7 +126,7 @@ class EagleDrafter(FeatureDrafter):
             n = len(expand)
             slots = slice(free, free + n)
             mask = torch.zeros(n, free + n, dtype=torch.bool)
-            mask[:, :self.real] = True
+            mask[:, :real] = True
             for row, i in enumerate(expand):
                 slot_of[i] = free + row
                 a = i

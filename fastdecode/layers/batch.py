@@ -1,4 +1,5 @@
-"""What every runner takes: the rows of one forward pass over the paged cache."""
+"""What every runner takes: the rows of one forward pass over a paged cache (the reference forward's cache too, one
+block per sequence), which the attention layer reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
