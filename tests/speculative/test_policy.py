@@ -153,12 +153,12 @@ class WrongDrafter(Drafter):
 
 @pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable")
 def test_adaptive_policy_stops_verifying_a_drafter_that_is_always_wrong():
-    model, decoder = tiny_target()
+    model, runner = tiny_target()
     params = SamplingParams(max_tokens=120, ignore_eos=True)
     prompt = [1, 2, 3, 4]
-    got, stats = speculative_tokens(model, decoder, [WrongDrafter()], prompt, params, adaptive=True,
+    got, stats = speculative_tokens(model, runner, lambda: [WrongDrafter()], prompt, params, adaptive=True,
                                     cost=FixedCost(*vars(linear_cost()).values()))
-    assert got == plain_tokens(model, decoder, prompt, params)
+    assert got == plain_tokens(model, runner, prompt, params)
     assert stats.verify_steps < 0.2 * stats.steps  # a few tries, then plain decode steps
 
 
