@@ -48,7 +48,7 @@ def check_speculate(spec: str | None):
 class SequenceDrafts:
     drafters: list[Drafter]
     stats: SpeculationStats
-    gates: dict[str, ModelGate] = field(default_factory=dict)  # per drafter that runs a model
+    gates: dict[str, ModelGate] = field(default_factory=dict)  # per drafter that runs a model (the tenant's)
     chain: ChainState | None = None  # the step-wide model drafter's state for this sequence
     chain_draft: Draft | None = None  # its draft this step
     chain_s: float = 0.0  # this sequence's share of what drafting it took
@@ -64,6 +64,7 @@ class BatchSpeculator:
     chain_drafter: ChainModelDrafter | None = None  # drafts for every sequence at once (layerskip, draft:MODEL)
     taps: list[int] | None = None  # target layers whose residuals the sequences' drafters read (EAGLE)
     memories: dict[str, SuffixMemory] = field(default_factory=dict)  # per tenant
+    gates: dict[str, dict[str, ModelGate]] = field(default_factory=dict)  # per tenant, per drafter that runs a model
     plain_rate: float = 0.0  # a sequence's tokens per second this step without drafting (what a model drafter must beat)
 
     @classmethod
@@ -93,10 +94,15 @@ class BatchSpeculator:
         for d in drafters:
             d.start(seq.prompt_ids, seq.params)
         state = SequenceDrafts(drafters, SpeculationStats(self.name))
-        state.gates = {d.name: ModelGate() for d in drafters if not d.model_free}
+        # A gate learns whether its drafter pays on the tenant's text (a request alone relearns it every time: its
+        # first steps draft for nothing).
+        state.gates = {} if seq.tenant is None else self.gates.setdefault(seq.tenant, {})
+        for d in drafters:
+            if not d.model_free:
+                state.gates.setdefault(d.name, ModelGate())
         if self.chain_drafter is not None:
             state.chain = self.chain_drafter.start(seq)
-            state.gates[self.chain_drafter.name] = ModelGate()
+            state.gates.setdefault(self.chain_drafter.name, ModelGate())
         seq.speculation = state
 
     def draft_chains(self, seqs: list, budgets: list[int], reserve):
