@@ -67,7 +67,7 @@ def main(argv=None):
 
     items = [item for c in CATEGORIES for item in load_workload(c)[:1]][:args.users]
     prompts = [item.messages[-1]["content"] for item in items]
-    configs = args.configs.split(",")
+    configs = list(dict.fromkeys(args.configs.split(",")))
     ctx = mp.get_context("spawn")
     conns = {}
     for config in configs:
