@@ -25,6 +25,7 @@ class ChainState:
     generator: torch.Generator | None
     table: BlockTable = field(default_factory=BlockTable)
     cached: list[int] = field(default_factory=list)  # the tokens whose keys and values sit in that cache, from 0
+    verified: int = 0  # cached[:verified] are the sequence's own tokens (the rest may be a draft it did not keep)
 
 
 class ChainModelDrafter:
@@ -136,6 +137,7 @@ class DraftModelDrafter(ChainModelDrafter):
     def start(self, seq) -> ChainState:
         state = super().start(seq)
         state.cached = seq.tokens[:self.kv.match_prefix(state.table, seq.tokens, seq.salt, limit=len(seq.tokens) - 1)]
+        state.verified = len(state.cached)
         return state
 
     def finish(self, seq, state: ChainState):
@@ -145,14 +147,14 @@ class DraftModelDrafter(ChainModelDrafter):
     def prepare(self, seqs, states, depths, reserve):
         parts, owners, ready, room = [], [], [], CATCH_UP_ROWS
         for seq, state, depth in zip(seqs, states, depths):
-            context = seq.tokens[:-1]  # what must be cached before the root
-            common = 0
-            for a, b in zip(state.cached, context):
-                if a != b:
-                    break
+            n = len(seq.tokens) - 1  # what must be cached before the root
+            # Only what follows the known prefix is compared (a sequence's tokens never change): last step's draft.
+            common = state.verified
+            while common < min(len(state.cached), n) and state.cached[common] == seq.tokens[common]:
                 common += 1
             del state.cached[common:]
-            todo = context[common:][:room]
+            state.verified = common
+            todo = seq.tokens[common:min(n, common + room)]
             try:
                 self.kv.reserve(state.table, common + len(todo) + depth)
             except NoFreeBlocks:
@@ -162,11 +164,12 @@ class DraftModelDrafter(ChainModelDrafter):
                 parts.append((state.table, todo, common))
                 owners.append((seq, state))
                 room -= len(todo)
-            ready.append(common + len(todo) == len(context) and reserve(seq, seq.num_computed + 1 + depth))
+            ready.append(common + len(todo) == n and reserve(seq, seq.num_computed + 1 + depth))
         if parts:
             self.runner.forward(self.kv.batch(parts, logits=False))
             for (table, todo, _), (seq, state) in zip(parts, owners):
                 state.cached += todo
+                state.verified = len(state.cached)
                 self.kv.commit(table, state.cached, len(state.cached), seq.salt)
         return ready
 
