@@ -1,8 +1,10 @@
 """Tensor-parallel scaling on this machine: decode tok/s of 1 rank x 1 thread, 1 rank x 2 threads and 2 ranks x
-1 thread (gloo, torchrun), beside the roofline's tensor-parallel prediction for each.
+1 thread (torchrun; the ranks' collectives over shared memory, and over gloo's loopback TCP for comparison), beside
+the roofline's tensor-parallel prediction for each.
 
     python bench/tp.py            # 3 rounds x 3 timed runs of 64 tokens; writes bench/results/tp.{json,md}
     python bench/tp.py --quick    # smoke run: 1 round x 1 run of 16 tokens; writes bench/results/tp-quick.{json,md}
+    python bench/tp.py --quant int8 --rows 1x2-native,2x1-native --name tp-int8   # the int8 native step only
 
 Each row then answers --users (4) requests at once, each its own prompt: the tok/s they make together.
 
@@ -13,8 +15,8 @@ on all of them alike.
 
 The prediction is fastdecode.roofline.calc's: a step reads bytes / tp per rank at the bandwidth one rank gets (the
 probe at that rank's thread count), then waits for 2 all-reduces per layer plus the logit gather, each costing the
-all-reduce latency measured here between the two ranks. On one CPU both ranks share a memory bus and the
-"interconnect" is loopback TCP, so communication dominates: read the table as the cost of the collectives.
+all-reduce latency measured here between the two ranks (over the transport the row uses). On one CPU both ranks
+share a memory bus; over gloo the "interconnect" is loopback TCP and communication dominates.
 """
 from __future__ import annotations
 
@@ -32,25 +34,26 @@ from common import command_line, fmt, fmt_range, machine, markdown_table, stats,
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list of integers.\"\"\"\n"
-# (label, ranks, threads per rank, native C++ step)
-ROWS = [("1 rank x 1 thread", 1, 1, False), ("1 rank x 2 threads", 1, 2, False),
-        ("2 ranks x 1 thread", 2, 1, False), ("1 rank x 2 threads, native step", 1, 2, True),
-        ("2 ranks x 1 thread, native step", 2, 1, True)]
+# key: (label, ranks, threads per rank, native C++ step, environment)
+ROWS = {"1x1": ("1 rank x 1 thread", 1, 1, False, {}), "1x2": ("1 rank x 2 threads", 1, 2, False, {}),
+        "2x1": ("2 ranks x 1 thread", 2, 1, False, {}),
+        "1x2-native": ("1 rank x 2 threads, native step", 1, 2, True, {}),
+        "2x1-native": ("2 ranks x 1 thread, native step", 2, 1, True, {}),
+        "2x1-native-gloo": ("2 ranks x 1 thread, native step, gloo", 2, 1, True, {"FASTDECODE_TP_SHM": "0"})}
 
 
 # ---- worker: one row, one process per rank ------------------------------------------------------------------------
-def allreduce_us(hidden_size: int, n: int = 300) -> float:
+def allreduce_us(comm, hidden_size: int, n: int = 300) -> float:
     """Median time of one all-reduce of a decode step's activations (1 x hidden, float32) between the ranks."""
     import torch
-    import torch.distributed as dist
 
     x = torch.ones(1, 1, hidden_size)
     for _ in range(20):
-        dist.all_reduce(x)
+        comm.all_reduce(x)
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        dist.all_reduce(x)
+        comm.all_reduce(x)
         times.append(time.perf_counter() - t0)
     return sorted(times)[n // 2] * 1e6
 
@@ -70,14 +73,16 @@ def worker(args):
         from fastdecode.parallel.load import checkpoint_config
         from fastdecode.loading.catalog import resolve
 
-        init_group(world)
-        out["allreduce_us"] = allreduce_us(checkpoint_config(resolve(args.model))[0].hidden_size)
-        llm = ParallelLLM(args.model, tp=world, threads=args.threads, max_seq_len=512, native=args.native)
+        comm = init_group(world).comm
+        out["transport"] = comm.name
+        out["allreduce_us"] = allreduce_us(comm, checkpoint_config(resolve(args.model))[0].hidden_size)
+        llm = ParallelLLM(args.model, tp=world, quant=args.quant, threads=args.threads, max_seq_len=512,
+                          native=args.native)
         if not llm.leads:
             llm.follow()
             return
     else:
-        llm = LLM(args.model, quant="none", threads=args.threads, max_seq_len=512, native=args.native)
+        llm = LLM(args.model, quant=args.quant, threads=args.threads, max_seq_len=512, native=args.native)
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
     runs = [llm.generate(PROMPT, params) for _ in range(args.repeats)]
@@ -94,9 +99,10 @@ def worker(args):
     Path(args.out).write_text(json.dumps(out))
 
 
-def run_row(args, ranks: int, threads: int, native: bool, out: Path) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    cmd = [__file__, "--worker", "--model", args.model, "--threads", str(threads), "--tokens", str(args.tokens),
+def run_row(args, ranks: int, threads: int, native: bool, env: dict, out: Path) -> dict:
+    env = {**os.environ, **env, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    cmd = [__file__, "--worker", "--model", args.model, "--quant", args.quant, "--threads", str(threads),
+           "--tokens", str(args.tokens),
            "--repeats", str(args.repeats), "--users", str(args.users), "--out", str(out)] + (["--native"] if native else [])
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
@@ -126,7 +132,10 @@ def predict(model: str, bytes_per_token: float, context: int, ranks: int, thread
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="a registered name or a GGUF/safetensors path")
+    p.add_argument("--quant", default="none", help="none (float32 shards), int8 or int4: every row alike")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}; the first must be one rank")
+    p.add_argument("--name", default=None, help="results file stem (default tp, or tp-quick)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row per round")
     p.add_argument("--rounds", type=int, default=3, help="round-robin passes over the rows (a process each)")
@@ -142,25 +151,29 @@ def main(argv=None):
         return worker(args)
     if args.quick:
         args.tokens, args.repeats, args.rounds = 16, 1, 1
+    rows = [ROWS[key] for key in args.rows.split(",")]
+    if rows[0][1] != 1:
+        p.error("the first of --rows is the base: one rank")
     started = machine()
-    results = {label: {"ranks": ranks, "threads": threads, "native": native, "tok_s": []}
-               for label, ranks, threads, native in ROWS}
+    results = {label: {"ranks": ranks, "threads": threads, "native": native, "env": env, "tok_s": []}
+               for label, ranks, threads, native, env in rows}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            for label, ranks, threads, native in ROWS:
+            for label, ranks, threads, native, env in rows:
                 print(f"round {round_ + 1}/{args.rounds}: {label}", file=sys.stderr, flush=True)
-                got = run_row(args, ranks, threads, native, Path(tmp) / "row.json")
+                got = run_row(args, ranks, threads, native, env, Path(tmp) / "row.json")
                 row = results[label]
                 row["tok_s"] += got["tok_s"]
                 row.setdefault("users_tok_s", []).extend([got["users_tok_s"]] if "users_tok_s" in got else [])
                 row.update({k: got[k] for k in ("token_ids", "prompt_tokens", "weight_bytes", "kv_bytes")})
                 if "allreduce_us" in got:
                     row.setdefault("allreduce_us_runs", []).append(got["allreduce_us"])
-    whole = results[ROWS[0][0]]  # the one-rank model: what every rank together reads per token
+                    row["transport"] = got["transport"]
+    whole = results[rows[0][0]]  # the one-rank model: what every rank together reads per token
     reference_ids = whole["token_ids"]
     bytes_per_token = whole["weight_bytes"] + whole["kv_bytes"]
     context = whole["prompt_tokens"] + args.tokens // 2
-    for label, ranks, threads, native in ROWS:
+    for label, ranks, threads, native, _ in rows:
         row = results[label]
         row["stats"] = stats(row["tok_s"])
         row["users_stats"] = stats(row["users_tok_s"]) if row["users_tok_s"] else None
@@ -168,31 +181,35 @@ def main(argv=None):
         row["allreduce_us"] = allreduce
         row["roofline"] = predict(args.model, bytes_per_token, context, ranks, threads, allreduce)
         row["same_tokens_as_1x1"] = row.pop("token_ids") == reference_ids
-    data = {"command": command_line(), "machine": started, "model": args.model, "tokens": args.tokens,
+    data = {"command": command_line(), "machine": started, "model": args.model, "quant": args.quant,
+            "tokens": args.tokens,
             "repeats": args.repeats, "rounds": args.rounds, "bytes_per_token": bytes_per_token, "context": context,
             "rows": results}
-    stem = "tp-quick" if args.quick else "tp"
+    stem = args.name or ("tp-quick" if args.quick else "tp")
     write_json(args.out_dir / f"{stem}.json", data)
-    base = results[ROWS[0][0]]["stats"]["median"]
+    base = results[rows[0][0]]["stats"]["median"]
     table_rows = []
-    for label, *_ in ROWS:
+    for label, *_ in rows:
         row = results[label]
         r = row["roofline"]
         table_rows.append([label, fmt_range(row["stats"]), fmt(row["stats"]["median"] / base, ".2f") + "x",
-                           fmt(r["tok_s"], ".0f"), fmt(r["memory_s"] * 1e3, ".1f"), fmt(r["comm_s"] * 1e3, ".2f"),
-                           fmt(row["allreduce_us"], ".0f"), "yes" if row["same_tokens_as_1x1"] else "NO",
+                           fmt(r["tok_s"], ".0f"), fmt(row["stats"]["median"] / r["tok_s"], ".2f") + "x",
+                           fmt(r["memory_s"] * 1e3, ".1f"), fmt(r["comm_s"] * 1e3, ".2f"),
+                           fmt(row["allreduce_us"], ".1f"), row.get("transport", "-"),
+                           "yes" if row["same_tokens_as_1x1"] else "NO",
                            fmt_range(row["users_stats"]) if row["users_stats"] else "-"])
     md = "\n".join([
         f"# Tensor parallelism on this machine: {args.model}", "",
         f"`{command_line()}`  ",
         f"{started['cpu']}, {started['cores']} cores, torch {started['torch']}, {started['date']}, load average "
-        f"{fmt(started['load_avg_1m_at_start'], '.2f')} at start. Greedy decode of {args.tokens} tokens, float32, "
+        f"{fmt(started['load_avg_1m_at_start'], '.2f')} at start. Greedy decode of {args.tokens} tokens, "
+        f"{'float32' if args.quant == 'none' else args.quant} weights, "
         f"{args.rounds} rounds x {args.repeats} runs per row; output tok/s as median (min-max).", "",
-        markdown_table(["row", "output tok/s", "vs 1x1", "roofline tok/s", "roofline memory ms",
-                        "roofline comm ms", "all-reduce us", "same tokens", f"{args.users} users, tok/s in all"],
-                       table_rows), "",
+        markdown_table(["row", "output tok/s", f"vs {rows[0][0]}", "roofline tok/s", "of roofline",
+                        "roofline memory ms", "roofline comm ms", "all-reduce us", "transport", "same tokens",
+                        f"{args.users} users, tok/s in all"], table_rows), "",
         "Roofline: bytes read per token / ranks at the probe's bandwidth for that thread count, plus "
-        "(2 x layers + 1) all-reduces at the latency measured between the two ranks (gloo over loopback). "
+        "(2 x layers + 1) all-reduces at the latency measured between the two ranks over the row's transport. "
         "Each TP decode step also broadcasts its command (2 small broadcasts) and all-reduces the embedding.", ""])
     (args.out_dir / f"{stem}.md").write_text(md)
     print(md)

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from fastdecode.loading.catalog import CATALOG, cached_path
+from fastdecode.loading.catalog import cached_path
 
 torch.set_num_threads(2)
 # No weight images (loading/weight_image.py) in the suite, so that every load of a test file runs the loader it tests

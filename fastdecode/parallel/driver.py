@@ -15,7 +15,6 @@ import time
 from enum import IntEnum
 
 import torch
-import torch.distributed as dist
 
 from fastdecode.errors import FastdecodeError
 from fastdecode.parallel.group import Group
@@ -23,7 +22,7 @@ from fastdecode.runners import Batch
 
 
 class RankFailure(FastdecodeError):
-    """Another rank died or fell silent (gloo and NCCL raise RuntimeError): the group cannot go on."""
+    """Another rank died or fell silent (every transport raises RuntimeError): the group cannot go on."""
 
 
 class Op(IntEnum):
@@ -60,14 +59,14 @@ class Leader:
             self._header(Op.STEP, batch.block_tables.shape[1], len(batch.context), batch.num_rows, logit_rows,
                          batch.block_size, batch.prompt_end is not None, batch.tree_mask is not None, payload.numel(),
                          -1 if stop is None else stop)
-            dist.broadcast(payload, 0, group=self.group.pg)
+            self.group.comm.broadcast(payload, 0)
             return forward(batch)
 
     def move_slots(self, src: list[int], dst: list[int]):
         """Tells the other ranks of a paged-cache move (rank 0's KVCache.mirror): they make it on theirs."""
         with self.lock, self.failures():
             self._header(Op.MOVE_SLOTS, 2 * len(src))
-            dist.broadcast(torch.tensor(src + dst, dtype=torch.long), 0, group=self.group.pg)
+            self.group.comm.broadcast(torch.tensor(src + dst, dtype=torch.long), 0)
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
     def keep_alive(self, interval_s: float):
@@ -101,8 +100,8 @@ class Leader:
 
     @contextmanager
     def failures(self):
-        """gloo and NCCL report a dead peer or a timeout as RuntimeError; so does a bug in a forward pass, which
-        leaves the followers waiting just the same, so both end the group."""
+        """Every transport (gloo, NCCL, shared memory) reports a dead peer or a timeout as RuntimeError; so does a bug
+        in a forward pass, which leaves the followers waiting just the same, so both end the group."""
         try:
             yield
         except RuntimeError as e:
@@ -114,7 +113,7 @@ class Leader:
     # ---- wire --------------------------------------------------------------------------------------------------
     def _header(self, op: Op, *fields: int) -> torch.Tensor:
         header = torch.tensor([op, *fields] + [0] * (HEADER - 1 - len(fields)), dtype=torch.long)
-        dist.broadcast(header, 0, group=self.group.pg)
+        self.group.comm.broadcast(header, 0)
         self.last_sent = time.monotonic()
         return header
 
@@ -150,7 +149,7 @@ def follow(model, group: Group, runner):
     cache), until STOP. A collective that fails (a rank died) or times out raises, which ends this process."""
     header = torch.empty(HEADER, dtype=torch.long)
     while True:
-        dist.broadcast(header, 0, group=group.pg)
+        group.comm.broadcast(header, 0)
         op, *fields = header.tolist()
         if op == Op.STOP:
             released(header)  # the process may exit next
@@ -164,7 +163,7 @@ def follow(model, group: Group, runner):
         else:
             raise RuntimeError(f"unknown tensor-parallel command {op}")
         payload = torch.empty(n, dtype=torch.long)
-        dist.broadcast(payload, 0, group=group.pg)
+        group.comm.broadcast(payload, 0)
         if op == Op.MOVE_SLOTS:
             src, dst = payload.chunk(2)
             runner.kv.move(src.tolist(), dst.tolist())

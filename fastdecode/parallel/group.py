@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fastdecode.errors import InvalidRequestError
+from fastdecode.parallel.collectives import Gloo, SharedMemory, collectives
 
 # Every collective, a follower's wait for rank 0's next command included, fails after this long: a rank that hangs
 # cannot hang the others. Rank 0 pings its followers when idle, so only silence this long means trouble.
@@ -21,7 +22,8 @@ class Group:
     rank: int
     world: int
     timeout_s: float
-    pg: dist.ProcessGroup | None = None  # None: the default group
+    comm: Gloo | SharedMemory  # the steps' collectives: shared memory where every rank is on this host
+    pg: dist.ProcessGroup | None = None  # None: the default group; set-up's own collectives (gloo)
 
     @property
     def leads(self) -> bool:
@@ -29,7 +31,8 @@ class Group:
 
 
 def init_group(tp: int, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> Group:
-    """Joins (or reuses) the default process group: gloo for CPU tensors, NCCL for CUDA ones."""
+    """Joins (or reuses) the default process group (gloo for CPU tensors, NCCL for CUDA ones), and sets up the
+    collectives the steps use."""
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", 1))
         if world != tp or "MASTER_ADDR" not in os.environ:
@@ -47,7 +50,8 @@ def init_group(tp: int, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu
                                     timeout=timeout)
     if dist.get_world_size() != tp:
         raise InvalidRequestError(f"--tp {tp} does not match the process group of {dist.get_world_size()} ranks")
-    return Group(dist.get_rank(), dist.get_world_size(), timeout_s)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return Group(rank, world, timeout_s, collectives(rank, world, timeout_s))
 
 
 def rendezvous_store(rank: int, world: int, timeout: timedelta) -> dist.TCPStore:

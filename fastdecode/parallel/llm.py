@@ -60,7 +60,7 @@ class ParallelLLM(LLM):
 
     def _join_group(self):
         """The model's collectives (after any quantization), and on rank 0 the Leader that commands the others."""
-        install_collectives(self.model, self.group.pg)
+        install_collectives(self.model, self.group.comm)
         if self.leads:
             self.leader = Leader(self.group, self.on_failure)
 

@@ -11,14 +11,13 @@ Sharding works on real and on meta tensors alike, so the loader can shape a mode
 Collectives go in after quantization: their hooks sit on each attention's output projection (whatever the
 quantization transform made of it), on the MLP modules and on wrappers around the embedding and LM head. The native
 C++ step runs a layer without those modules' forward, so it is handed the same all-reduce (`model.all_reduce`).
+The collectives are parallel/collectives.py's (shared memory between the ranks of one host, else gloo).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
-import torch.distributed as dist
 from torch import nn
 import torch.nn.functional as F
 
@@ -32,34 +31,32 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True,
                          device=weight.device, dtype=weight.dtype)
         self.vocab_start = vocab_start
-        self.group, self.installed = None, False  # set by install_collectives (group None: the default group)
+        self.comm = None  # the ranks' collectives, set by install_collectives
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if not self.installed:
+        if self.comm is None:
             raise RuntimeError("a vocabulary-parallel embedding needs install_collectives() before it runs")
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings)
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         x = x.masked_fill(outside.unsqueeze(-1), 0)  # (B, T, D): this rank's rows, zeros elsewhere
-        dist.all_reduce(x, group=self.group)
+        self.comm.all_reduce(x)
         return x
 
 
 class GatherLogits(nn.Module):
     """Wraps the vocabulary-parallel LM head: local logits (..., V / world) -> every rank's, joined (..., V)."""
 
-    def __init__(self, head: nn.Module, vocab_ranges: list[Range], group):
+    def __init__(self, head: nn.Module, vocab_ranges: list[Range], comm):
         super().__init__()
-        self.head, self.vocab_ranges, self.group = head, vocab_ranges, group
+        self.head, self.vocab_ranges, self.comm = head, vocab_ranges, comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = self.head(x)
         widest = max(hi - lo for lo, hi in self.vocab_ranges)
         flat = local.reshape(-1, local.shape[-1])
         # all_gather wants equal shapes: pad the narrower shards of an uneven split, trim after.
-        padded = F.pad(flat, (0, widest - flat.shape[-1])).contiguous()
-        parts = [torch.empty_like(padded) for _ in self.vocab_ranges]
-        dist.all_gather(parts, padded, group=self.group)
+        parts = self.comm.all_gather(F.pad(flat, (0, widest - flat.shape[-1])))
         logits = torch.cat([p[:, :hi - lo] for p, (lo, hi) in zip(parts, self.vocab_ranges)], dim=-1)
         return logits.reshape(*local.shape[:-1], logits.shape[-1])
 
@@ -121,15 +118,16 @@ def _all_reduce_output(all_reduce):
     return hook
 
 
-def install_collectives(model, group):
+def install_collectives(model, comm):
     """The communication of a sharded model: an all-reduce after attention and after the MLP in every block, one
     in the embedding, an all-gather of the logits. Call once, after any quantization. `model.all_reduce` is the
-    layers' all-reduce, for a runner that computes them without their modules (the native step's `reduce`)."""
-    model.all_reduce = functools.partial(dist.all_reduce, group=group)
+    layers' all-reduce, for a runner that computes them without their modules (the native step's `reduce`). comm:
+    the ranks' collectives (parallel/collectives.py)."""
+    model.all_reduce = comm.all_reduce
     for block in model.layers:
         # On o_proj, not the attention module: the engine's runner calls Attention.paged, not its forward.
         block.self_attn.o_proj.register_forward_hook(_all_reduce_output(model.all_reduce))
         block.mlp.register_forward_hook(_all_reduce_output(model.all_reduce))
-    model.embed_tokens.group, model.embed_tokens.installed = group, True
-    model.lm_head = GatherLogits(model.lm_head, model.shard_plan.vocab_ranges(), group)
+    model.embed_tokens.comm = comm
+    model.lm_head = GatherLogits(model.lm_head, model.shard_plan.vocab_ranges(), comm)
     return model

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from fastdecode.engine.sampling import SamplingParams
+from fastdecode.parallel.collectives import collectives
 from fastdecode.parallel.load import load_shard
 from fastdecode.parallel.shard import install_collectives
 
@@ -56,7 +57,7 @@ def tiny_models(rank: int, world: int, cases: list[tuple], prompt: list[int], st
 
     out = {}
     for name, hf_dir, gguf_path, speculations, truth in cases:
-        model = install_collectives(load_shard(hf_dir, rank, world), None)
+        model = install_collectives(load_shard(hf_dir, rank, world), collectives(rank, world, 60))
         out[name] = {"run": greedy_run(model, prompt, steps)}
         for spec in speculations:
             speculate = {"oracle": "none", "batch": "none", "batch_layerskip": "layerskip"}.get(spec, spec)
