@@ -457,7 +457,7 @@ class LLM(Prompts):
             if hasattr(module, "weight_bytes"):
                 total += module.weight_bytes()
             elif isinstance(module, nn.Embedding):
-                total += module.weight[0].nbytes
+                total += module.weight[:1].nbytes  # (none for a stand-in: its rows live in a kept module)
             else:
                 total += sum(p.nbytes for p in module.parameters(recurse=False))
         return total

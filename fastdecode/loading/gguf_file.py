@@ -65,6 +65,8 @@ class GGUFFile:
         if not hasattr(mmap, "MADV_DONTNEED") or t.data.nbytes == 0:
             return
         start = t.data.ctypes.data - self.mm.ctypes.data
+        if not 0 <= start <= len(self.mm) - t.data.nbytes:  # a copy (a tensor-parallel rank's columns), not the map
+            return
         page = start // mmap.PAGESIZE * mmap.PAGESIZE
         self.map.madvise(mmap.MADV_DONTNEED, page, start + t.data.nbytes - page)
 

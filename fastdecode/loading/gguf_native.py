@@ -55,20 +55,26 @@ for _hf, (_ours, _) in sorted(PACKED_MODULES.items(), key=lambda item: item[1]):
 GGUF_NAMES = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
 
 
-def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, backend: str | None = None):
-    """`progress` wraps an iterable (of module names); `backend` forces the quant modules' (tests)."""
+def load_gguf_native(path, dtype: torch.dtype = torch.float32, progress=None, backend: str | None = None, shard=None):
+    """`progress` wraps an iterable (of module names); `backend` forces the quant modules' (tests). `shard`: one
+    tensor-parallel rank's cut (parallel/load.py's GGUFShard): it shapes the meta model to the rank's shard and cuts
+    every tensor to the rank's rows or columns of blocks before a module is built from them; no weight image then."""
     f = read_gguf(path)
     config = gguf_config(f)
     model = check_parameter_count(config, [math.prod(t.shape) for t in f.tensors.values()], f.path, dtype)
+    if shard is not None:
+        shard.shape(model)
     # what the loader does to each module: replaces it (a matrix, the embedding) or sets its tensors (norms)
     kinds = {name: "module" if name == "embed_tokens" or type(m) is nn.Linear else "tensors"
              for name, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
     kinds = {"lm_head": kinds.pop("lm_head"), "embed_tokens": kinds.pop("embed_tokens"), **kinds}
-    image = WeightImage(f, dtype, enabled=backend is None)  # a load that forces a backend is a test's
+    # a load that forces a backend is a test's; a rank's shard has no image of its own (yet)
+    image = WeightImage(f, dtype, enabled=backend is None and shard is None)
     formats = image.restore(model, kinds)
     if formats is None:
         with image.writing():
-            formats = load_modules(ModuleLoader(f, config, dtype, backend), model, kinds, progress)
+            loader = ModuleLoader(f, model.config, dtype, backend, None if shard is None else shard.cut)
+            formats = load_modules(loader, model, kinds, progress)
         if "rope_freqs.weight" in f.tensors:
             model.rope_freq_factors = torch.from_numpy(dequantize_tensor(f.tensors["rope_freqs.weight"]).copy())
         image.finish(model, kinds, formats)
@@ -104,8 +110,9 @@ def heap_trimmer():
 
 
 class ModuleLoader:
-    def __init__(self, f: GGUFFile, config, dtype: torch.dtype, backend: str | None):
-        self.f, self.config, self.dtype, self.backend = f, config, dtype, backend
+    def __init__(self, f: GGUFFile, config, dtype: torch.dtype, backend: str | None, cut=None):
+        """cut(name, tensor) -> a tensor-parallel rank's part of it (GGUFShard.cut), or None: whole tensors."""
+        self.f, self.config, self.dtype, self.backend, self.cut = f, config, dtype, backend, cut
         self.tensors = {hf_name(t.name, config.family): t for t in f.tensors.values()}
         experts, self.expert_stacks = expert_tensors(f)  # an MoE file's experts: a view of the file per expert,
         self.tensors.update(experts)                        # and per layer and projection
@@ -117,7 +124,8 @@ class ModuleLoader:
     def tensor(self, name: str):
         if name not in self.tensors:
             raise ModelFileError(f"{self.f.path}: checkpoint lacks {GGUF_NAMES.get(name, name)}")
-        return self.tensors[name]
+        t = self.tensors[name]
+        return t if self.cut is None else self.cut(name, t)
 
     def float_weight(self, name: str) -> torch.Tensor:
         t = self.tensor(name)
@@ -214,11 +222,12 @@ class ModuleLoader:
             self.exact.add(name)
             return parts[0] if len(parts) == 1 else RowSplitLinear(parts)
         w = torch.cat([self.float_weight(f"{s}.weight") for s in sources]).to(self.dtype)
-        if kind in FLOAT_TYPES:  # float stays float, as in the float model
+        if kind in FLOAT_TYPES and all(self.tensors[f"{s}.weight"].type in FLOAT_TYPES for s in sources):
+            # float stays float, as in the float model (a shard's slice that had to be dequantized does not)
             module.weight = nn.Parameter(w, requires_grad=False)
             module.bias = None if bias is None else nn.Parameter(bias.to(self.dtype), requires_grad=False)
             return module
-        self.requantized["/".join(sorted({t.type.name for t in shards}))] += 1
+        self.requantized["/".join(sorted({self.tensors[f"{s}.weight"].type.name for s in sources}))] += 1
         return build_linear(encode_linear(w, "int8", backend=self.backend), "int8", bias, K, backend=self.backend)
 
     def kept_linear(self, run: list[tuple[str, object]], bias: torch.Tensor | None, K: int) -> nn.Module:
@@ -245,7 +254,10 @@ class ModuleLoader:
         if not tied and t.type in KEPT and fits(KEPT[t.type], *t.shape, 32):
             table = self.matrix("embed_tokens", ["embed_tokens"], model.embed_tokens)
         if table is not None and table.backend in table.row_backends:
-            return QuantEmbedding(table, self.dtype)
+            rows = QuantEmbedding(table, self.dtype)
+            if hasattr(model.embed_tokens, "look_up_in"):  # a tensor-parallel shard's vocabulary slice
+                return model.embed_tokens.look_up_in(rows)
+            return rows
         model.embed_tokens.weight = nn.Parameter(self.float_weight("embed_tokens.weight").to(self.dtype),
                                                  requires_grad=False)
         return model.embed_tokens

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fastdecode.engine.llm import DTYPES, LLM, Context, kv_budget_tokens
-from fastdecode.errors import InvalidRequestError
+from fastdecode.errors import InvalidRequestError, UnsupportedModelError
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
 from fastdecode.parallel.driver import Leader, follow
 from fastdecode.parallel.group import DEFAULT_TIMEOUT_S, init_group
@@ -28,13 +28,14 @@ class ParallelLLM(LLM):
         """kw: LLM's dtype, group_size, threads, max_seq_len, and the engine's max_batch, kv_cache_gb, prefix_cache,
         kv_dtype, native. Everything runs on the serving engine, each rank the native C++ step over its shard where
         the kernels are built (else PyTorch's modules), its layers' outputs all-reduced; the drafters run on rank 0
-        (draft:MODEL's model whole, there). `on_failure(error)`: see Leader."""
-        if quant == "gguf":
-            raise InvalidRequestError("--quant gguf keeps a GGUF file's whole tensors, which --tp cannot shard: use "
-                                      "--quant int8 or int4")
-        quant = quant or "none"  # shards are cut from float weights; a GGUF's own formats are not the default here
+        (draft:MODEL's model whole, there). quant as LLM's: by default a GGUF file's own formats, each rank its cut of
+        the blocks (parallel/load.py). `on_failure(error)`: see Leader."""
         # A model that cannot be split fails here, before the ranks meet (and without torchrun too).
-        config = checkpoint_config(resolve(model))[0]
+        path = resolve(model)
+        if quant == "gguf" and not path.is_file():
+            raise UnsupportedModelError(f"--quant gguf keeps a GGUF file's own quantized weights; {path} is not a "
+                                        "GGUF file")
+        config = checkpoint_config(path)[0]
         ShardPlan.build(config, 0, tp)
         if speculate and speculate.partition(":")[0] in HEADS:
             raise InvalidRequestError("--speculate eagle reads the target's embedding, which --tp splits: use "
@@ -50,8 +51,8 @@ class ParallelLLM(LLM):
         # Each rank would keep its own shard's blocks on disk, under one name: not built yet, so no disk tier.
         kw["kv_disk_gb"] = 0
 
-        def load(path, dtype, progress, quant):  # quant: float here (see above); LLM quantizes the shard after
-            return load_shard(path, group.rank, group.world, dtype, progress)
+        def load(path, dtype, progress, quant):  # "gguf": the file's blocks, cut; else float, which LLM quantizes
+            return load_shard(path, group.rank, group.world, dtype, progress, quant)
         # Drafters run on rank 0 only: the others run what its steps send them.
         super().__init__(model, quant=quant, speculate=speculate if lead else "none",
                          progress=progress if lead else None, log=log if lead else (lambda *a: None), load=load, **kw)

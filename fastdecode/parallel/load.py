@@ -3,8 +3,10 @@ only), then filled tensor by tensor with this rank's rows or columns.
 
 safetensors: `safe_open(...).get_slice` reads just the slice from the memory-mapped file.
 GGUF: a tensor's rows are whole runs of blocks, so a row slice (q/k/v, gate/up, embedding, LM head) is cut from the
-raw bytes before dequantizing; a column slice (o_proj, down_proj) likewise when its edges fall on block boundaries
-(heads of 64 on 32-value blocks, MLP slices 256-aligned), else that one tensor is dequantized whole, then sliced.
+raw bytes; a column slice (o_proj, down_proj) likewise when its edges fall on block boundaries (heads of 64 on
+32-value blocks, MLP slices 256-aligned), else that one tensor is dequantized whole, then sliced. With quant "gguf"
+(a GGUF file's default) the cut blocks become the rank's modules as they are (loading/gguf_native.py, GGUFShard);
+otherwise they are dequantized, for LLM to quantize the float shard as asked.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from safetensors import SafetensorError, safe_open
 
 from fastdecode.config import ModelConfig
@@ -21,6 +23,7 @@ from fastdecode.errors import ModelFileError, UnsupportedModelError
 from fastdecode.loading.build import skip_init
 from fastdecode.loading.gguf_file import GGUFFile, GGUFTensor
 from fastdecode.loading.gguf_loader import dequantize_tensor, hf_name, unpermute_rows
+from fastdecode.loading.gguf_native import load_gguf_native
 from fastdecode.loading.hf_loader import PREFIXES, read_config
 from fastdecode.models import model_class
 from fastdecode.parallel.plan import ShardPlan
@@ -44,15 +47,22 @@ def checkpoint_config(path: Path) -> tuple[ModelConfig, GGUFFile | None]:
     raise ModelFileError(f"model path {path} does not exist")
 
 
-def load_shard(path, rank: int, world: int, dtype: torch.dtype = torch.float32, progress=None):
-    """A Hugging Face directory or GGUF file -> this rank's shard of the model (see shard_model)."""
+def load_shard(path, rank: int, world: int, dtype: torch.dtype = torch.float32, progress=None,
+               quant: str | None = None):
+    """A Hugging Face directory or GGUF file -> this rank's shard of the model (see shard_model). quant "gguf": a
+    GGUF file's matrices in their own formats, cut block by block; otherwise float weights."""
     path = Path(path)
     config, f = checkpoint_config(path)
+    plan = ShardPlan.build(config, rank, world)  # SplitError before any weight is read
+    if quant == "gguf":
+        if f is None:
+            raise UnsupportedModelError(f"--quant gguf keeps a GGUF file's own quantized weights; {path} is not a "
+                                        "GGUF file")
+        return load_gguf_native(path, dtype, progress, shard=GGUFShard(plan))
     if f is None:
         reader = lambda plan: safetensors_shard(path, plan, progress)  # noqa: E731
     else:
         reader = lambda plan: gguf_shard(f, config, plan, progress)  # noqa: E731
-    plan = ShardPlan.build(config, rank, world)  # SplitError before any weight is read
     with skip_init(dtype), torch.device("meta"):
         model = model_class(config.family)(config)
     shard_model(model, plan)
@@ -100,23 +110,43 @@ def safetensors_shard(path: Path, plan: ShardPlan, progress=None) -> Iterator[tu
             raise ModelFileError(f"cannot read {shard}: {e}") from None
 
 
-def gguf_slice(t: GGUFTensor, dim: int, lo: int, hi: int) -> np.ndarray:
-    """Rows or columns [lo, hi) of a 2-D GGUF tensor (or entries of a 1-D one), dequantizing only those where
-    the block layout allows."""
+def block_slice(t: GGUFTensor, dim: int, lo: int, hi: int) -> GGUFTensor:
+    """Rows or columns [lo, hi) of a 2-D GGUF tensor (or entries of a 1-D one), in the tensor's own type where
+    whole blocks allow: rows are runs of blocks (a view of the file), columns whole blocks when both edges fall on
+    block boundaries (a copy). Otherwise the slice of the tensor dequantized whole, as F32."""
     if len(t.shape) == 1:
-        return dequantize_tensor(t)[lo:hi]
+        return float_tensor(t.name, dequantize_tensor(t)[lo:hi])
     rows, cols = t.shape
     block, type_size = GGML_QUANT_SIZES[t.type]
     raw = np.asarray(t.data).reshape(rows, -1)  # one row of blocks per weight row
     if dim == 0:
-        part = raw[lo:hi]
-        shape = (hi - lo, cols)
-    elif lo % block == 0 and hi % block == 0:
+        return GGUFTensor(t.name, (hi - lo, cols), t.type, raw[lo:hi].reshape(-1))
+    if lo % block == 0 and hi % block == 0:
         part = np.ascontiguousarray(raw[:, lo // block * type_size:hi // block * type_size])
-        shape = (rows, hi - lo)
-    else:
-        return dequantize_tensor(t)[:, lo:hi]
-    return dequantize_tensor(GGUFTensor(t.name, shape, t.type, part.reshape(-1)))
+        return GGUFTensor(t.name, (rows, hi - lo), t.type, part.reshape(-1))
+    return float_tensor(t.name, dequantize_tensor(t)[:, lo:hi])
+
+
+def float_tensor(name: str, values: np.ndarray) -> GGUFTensor:
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    return GGUFTensor(name, values.shape, GGMLQuantizationType.F32, values.reshape(-1).view(np.uint8))
+
+
+class GGUFShard:
+    """One rank's cut of a GGUF file, for load_gguf_native: the meta model shaped to the rank's shard, then each
+    tensor cut to its rows or columns of blocks (block_slice; a row-parallel bias zeroed beyond rank 0)."""
+
+    def __init__(self, plan: ShardPlan):
+        self.plan = plan
+
+    def shape(self, model):
+        shard_model(model, self.plan)
+
+    def cut(self, name: str, t: GGUFTensor) -> GGUFTensor:
+        if self.plan.zeroed(name):
+            return float_tensor(t.name, np.zeros(t.shape, dtype=np.float32))
+        where = self.plan.slice_of(name)
+        return t if where is None else block_slice(t, *where)
 
 
 def gguf_shard(f: GGUFFile, config: ModelConfig, plan: ShardPlan, progress=None):
@@ -130,7 +160,7 @@ def gguf_shard(f: GGUFFile, config: ModelConfig, plan: ShardPlan, progress=None)
         if name is None:
             continue
         cut = plan.slice_of(name)
-        w = dequantize_tensor(t) if cut is None else gguf_slice(t, *cut)
+        w = dequantize_tensor(t if cut is None else block_slice(t, *cut))
         # llama.cpp permutes q/k rows within each head, so a slice of whole heads unpermutes on its own.
         if config.family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rows(w, plan.heads[1] - plan.heads[0])

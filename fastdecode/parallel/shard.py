@@ -32,13 +32,22 @@ class VocabParallelEmbedding(nn.Embedding):
                          device=weight.device, dtype=weight.dtype)
         self.vocab_start = vocab_start
         self.comm = None  # the ranks' collectives, set by install_collectives
+        self.rows = None  # where set, a module that looks the rows up instead of `weight` (look_up_in)
+
+    def look_up_in(self, rows: nn.Module) -> "VocabParallelEmbedding":
+        """Rows from `rows` (a QuantEmbedding over this rank's slice of a GGUF file's blocks) instead of a float
+        table; `weight` becomes its empty (0, D) stand-in, which tells the dtype and device the lookups return."""
+        self.rows = rows
+        self.weight = nn.Parameter(rows.weight, requires_grad=False)
+        return self
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
             raise RuntimeError("a vocabulary-parallel embedding needs install_collectives() before it runs")
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        local = local.masked_fill(outside, 0)
+        x = F.embedding(local, self.weight) if self.rows is None else self.rows(local)
         x = x.masked_fill(outside.unsqueeze(-1), 0)  # (B, T, D): this rank's rows, zeros elsewhere
         self.comm.all_reduce(x)
         return x

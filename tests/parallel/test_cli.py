@@ -76,8 +76,8 @@ def config_dir(path: Path, heads: int) -> Path:
 @pytest.mark.parametrize("heads,args,message", [
     (1, [], "error: cannot split 1 attention heads across 2 ranks: every rank needs a query head of its own "
             "(--tp 1 at most)"),
-    (2, ["--quant", "gguf"], "error: --quant gguf keeps a GGUF file's whole tensors, which --tp cannot shard: use "
-                             "--quant int8 or int4"),
+    (2, ["--quant", "gguf"], "error: --quant gguf keeps a GGUF file's own quantized weights; {dir} is not a GGUF "
+                             "file"),
     (2, [], "error: --tp 2 runs one process per rank: launch it as `torchrun --nproc-per-node 2 -m fastdecode ...` "
             "(this process sees WORLD_SIZE=1)"),
 ], ids=["one-head", "quant-gguf", "no-torchrun"])
@@ -85,7 +85,7 @@ def test_what_tp_cannot_do_is_one_error_line(tmp_path, heads, args, message):
     result = CliRunner().invoke(main, ["generate", "-m", str(config_dir(tmp_path, heads)), "-p", "hi", "--tp", "2",
                                        *args])
     assert result.exit_code == 2, result.output
-    assert result.stderr.strip() == message
+    assert result.stderr.strip() == message.format(dir=tmp_path)
 
 
 def launch_chat_ranks(path: str, tmp: Path) -> list[subprocess.Popen]:

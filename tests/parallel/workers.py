@@ -83,21 +83,43 @@ def tiny_models(rank: int, world: int, cases: list[tuple], prompt: list[int], st
 
 
 def real_model(rank: int, world: int, path: str, plain: str, speculative: str, max_tokens: int) -> dict:
-    """ParallelLLM on a real model, rank 0 answering one prompt with plain decoding and another with n-gram
-    speculation on the engine (the drafter on rank 0; a flat verify cost instead of the start-up measurement, to
-    save time)."""
+    """ParallelLLM on a real model, rank 0 driving. Float shards: one prompt with plain decoding and another with
+    n-gram speculation on the engine (the drafter on rank 0; a flat verify cost instead of the start-up measurement,
+    to save time). The file's own blocks (the default): the second prompt, plain, with each token's top-2 logprobs."""
     from fastdecode.parallel.llm import ParallelLLM
     from fastdecode.speculative.batch import MODEL_FREE, BatchSpeculator
     from fastdecode.speculative.policy import CostModel, Policy
 
-    llm = ParallelLLM(path, tp=world, max_seq_len=256, timeout_s=60)
-    if not llm.leads:
-        llm.follow()
-        return {}
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    out = {"none": llm.generate(plain, params).token_ids}
-    llm.engine.speculator = llm.engine.scheduler.speculator = BatchSpeculator(
-        "ngram", MODEL_FREE["ngram"], Policy(CostModel([1, 64], [1.0, 1.0])))
-    completion = llm.generate(speculative, params)
-    llm.close()
-    return {**out, "ngram": completion.token_ids, "accepted": completion.speculation["accepted"]}
+    out = {}
+    for quant in ("none", None):
+        llm = ParallelLLM(path, tp=world, quant=quant, max_seq_len=256, timeout_s=60)
+        if not llm.leads:
+            llm.follow()
+            continue
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        if quant is None:
+            params.logprobs = 2
+            out["gguf"] = llm.generate(speculative, params).logprobs
+            llm.close()
+            continue
+        out["none"] = llm.generate(plain, params).token_ids
+        llm.engine.speculator = llm.engine.scheduler.speculator = BatchSpeculator(
+            "ngram", MODEL_FREE["ngram"], Policy(CostModel([1, 64], [1.0, 1.0])))
+        completion = llm.generate(speculative, params)
+        out.update(ngram=completion.token_ids, accepted=completion.speculation["accepted"])
+        llm.close()
+    return out
+
+
+def gguf_shards(rank: int, world: int, paths: list[str], prompt: list[int]) -> dict:
+    """Each GGUF file's shard in the file's own formats (quant "gguf") -> {path: {"logits": greedy_run's prefill
+    logits, "kinds": the module types of layer 0's matrices and the embedding's lookup}}."""
+    out = {}
+    for path in paths:
+        model = install_collectives(load_shard(path, rank, world, quant="gguf"), collectives(rank, world, 60))
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        kinds = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj, "down_proj": mlp.down_proj,
+                 "embedding": model.embed_tokens.rows}
+        out[path] = {"logits": greedy_run(model, prompt, 2)[0],
+                     "kinds": {name: type(m).__name__ for name, m in kinds.items()}}
+    return out
