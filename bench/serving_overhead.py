@@ -110,6 +110,7 @@ def main():
     p.add_argument("--prompt-tokens", type=int, default=400, help="each prompt: from half to 1.5x this")
     p.add_argument("--output-tokens", type=int, default=350, help="each output: from half to 1.5x this")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--ways", default=",".join(WAYS), help="of engine, stream, server (engine always runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -121,19 +122,20 @@ def main():
     if not shutil.which("curl"):
         raise SystemExit("error: the server way needs curl")
     levels = [int(u) for u in a.users.split(",")]
-    runs = {(way, u): [] for u in levels for way in WAYS}
+    ways = [w for w in WAYS if w == "engine" or w in a.ways.split(",")]
+    runs = {(way, u): [] for u in levels for way in ways}
     forward = ["--model", a.model, "--threads", str(a.threads), "--requests", str(a.requests), "--prompt-tokens",
                str(a.prompt_tokens), "--output-tokens", str(a.output_tokens), "--seed", str(a.seed)]
     for r in range(a.runs):
         for u in levels:
-            for way in WAYS if r % 2 == 0 else WAYS[::-1]:  # the ways take turns, each first in half the runs
+            for way in ways if r % 2 == 0 else ways[::-1]:  # the ways take turns, each first in half the runs
                 out = subprocess.run([sys.executable, __file__, *forward, "--child", f"{way}:{u}"], check=True,
                                      capture_output=True, text=True).stdout
                 runs[(way, u)].append(json.loads(out.splitlines()[-1])["tok_s"])
                 print(f"run {r + 1}/{a.runs}, {u} users, {way}: {runs[(way, u)][-1]:.1f} tok/s", file=sys.stderr)
     rows = [{"way": way, "users": u, "tok_s": stats(runs[(way, u)]),
              "of_engine": stats([s / e for s, e in zip(runs[(way, u)], runs[("engine", u)])])}
-            for u in levels for way in WAYS]
+            for u in levels for way in ways]
     report = {"benchmark": "serving_overhead", **git_state(), "command": command_line(), "machine": machine(),
               "model": a.model, "threads": a.threads, "requests_per_user": a.requests,
               "prompt_tokens": a.prompt_tokens, "output_tokens": a.output_tokens, "rows": rows}
