@@ -174,3 +174,42 @@ class Quiet:
 
     def advance(self, *a, **kw):
         pass
+
+
+def test_a_long_prompts_taps_go_into_the_head_as_they_come():
+    """Past EAGER_ROWS, the prompt's taps enter the head's cache chunk by chunk instead of waiting for the first
+    draft: the draft is the one a drafter that took them all at once makes, and pending taps stay bounded."""
+    model, _ = tiny_target(quant=None, native=False)
+    make, layers = head_drafters(model, "eagle", tree=True)
+    prompt = list(range(3, 43))
+    taps = torch.randn(len(prompt), len(layers) * model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    lazy, eager = make()[0], make()[0]
+    eager.EAGER_ROWS = 8
+    for drafter in (lazy, eager):
+        drafter.start(prompt, GREEDY)
+        most = 0
+        for pos in range(0, len(prompt), 6):  # prompt chunks of 6 rows
+            drafter.observe_features(pos, taps[pos:pos + 6])
+            most = max(most, drafter.pending_rows())
+        assert most <= (len(prompt) if drafter is lazy else 8 + 6)
+    with torch.inference_mode():
+        a, b = lazy.propose(prompt, 8), eager.propose(prompt, 8)
+    assert a.tokens == b.tokens and a.parents == b.parents
+    # the head's cache holds the same entries (the draft alone could not tell: this random head is sure of itself)
+    assert lazy.real == eager.real == len(prompt) - 1
+    real = lazy.real - lazy.base
+    for x, y in ((lazy.k, eager.k), (lazy.v, eager.v), (lazy.last, eager.last)):
+        assert torch.allclose(x[..., :real, :] if x.dim() == 4 else x, y[..., :real, :] if y.dim() == 4 else y,
+                              atol=1e-5)
+
+
+def test_an_mtp_head_keeps_only_the_last_tap():
+    model, _ = tiny_target(quant=None, native=False)
+    make, layers = head_drafters(model, "mtp", tree=False)
+    drafter = make()[0]
+    drafter.start(list(range(3, 23)), GREEDY)
+    taps = torch.randn(20, len(layers) * model.config.hidden_size)
+    for pos in range(0, 20, 5):
+        drafter.observe_features(pos, taps[pos:pos + 5])
+    assert drafter.pending_rows() == 1 and drafter.pending[0][0] == 19
+    assert torch.equal(drafter.pending[0][1], taps[19:])

@@ -1,7 +1,9 @@
 """Drafters over a trained head: EAGLE chains and dynamic trees (EAGLE-2), and multi-token-prediction trees.
 
 The speculator hands a feature drafter the target's taps for every token it accepted (observe_features); the
-drafter keeps them pending until it is asked to propose, so steps it sits out cost it nothing.
+drafter keeps them pending until it is asked to propose, so steps it sits out cost it nothing. A long prompt's taps
+(a 20k-token agent prompt: 20k rows of n_taps x hidden floats, half a GB at 2k wide) do not wait: an EAGLE head takes
+them into its cache as they come, past EAGER_ROWS; an MTP head keeps only the last row, all it reads.
 
 EAGLE-2's dynamic tree (Li et al., 2024): the head's probabilities are well calibrated, so the tree grows where the
 head is confident. At every depth the `top_k` nodes with the highest path probability (the product of the head's
@@ -28,9 +30,10 @@ class FeatureDrafter(Drafter):
         self.head, self.cfg, self.model, self.name = head, cfg, model, name
         self.feature_layers = cfg.taps
         self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, taps (m, n_taps * D))
+        self.prompt: list[int] = []
 
     def start(self, prompt_ids, params=None):
-        self.pending = []
+        self.pending, self.prompt = [], list(prompt_ids)
 
     def observe_features(self, pos: int, taps: torch.Tensor):
         """taps (m, n_taps * D) of the tokens at positions pos..pos+m-1, as the target computed them. Taps that do
@@ -40,19 +43,26 @@ class FeatureDrafter(Drafter):
         self.pending.append((pos, taps))
 
     def take_pending(self, upto: int) -> tuple[int, torch.Tensor] | None:
-        """Pending taps joined, for positions up to `upto` (inclusive) -> (first position, taps) or None."""
+        """Pending taps joined, for positions up to `upto` (inclusive) -> (first position, taps) or None; later
+        ones stay pending."""
         if not self.pending:
             return None
         first = self.pending[0][0]
-        taps = torch.cat([t for _, t in self.pending], 0)[:upto - first + 1]
-        self.pending = []
-        return first, taps
+        joined = torch.cat([t for _, t in self.pending], 0)
+        taps, rest = joined[:upto - first + 1], joined[upto - first + 1:]
+        self.pending = [(first + taps.shape[0], rest)] if rest.shape[0] else []
+        return (first, taps) if taps.shape[0] else None
+
+    def pending_rows(self) -> int:
+        return sum(t.shape[0] for _, t in self.pending)
 
     def to_vocab(self, ids: torch.Tensor) -> list[int]:
         return self.head.lm_head.draft_ids[ids].tolist()
 
 
 class EagleDrafter(FeatureDrafter):
+    EAGER_ROWS = 256  # pending prompt taps past which the head's cache takes them at once
+
     def __init__(self, head, cfg, model, rope: torch.Tensor, top_k: int = 8, depth: int = 5,
                  min_score: float = 0.02, name: str = "eagle"):
         """rope: the head's rotary table (shared by every request's drafter). top_k 1: a chain. min_score: a node
@@ -74,6 +84,14 @@ class EagleDrafter(FeatureDrafter):
         self.v = torch.zeros_like(self.k)
         self.base = self.real = 0
         self.last = None
+
+    def observe_features(self, pos: int, taps: torch.Tensor):
+        """Past EAGER_ROWS pending, the taps of prompt positions whose next token the prompt holds go into the
+        head's cache now (the same entries catch_up writes when asked to propose)."""
+        super().observe_features(pos, taps)
+        if self.k is not None and self.pending_rows() >= self.EAGER_ROWS and len(self.prompt) >= 2:
+            with torch.inference_mode():
+                self.catch_up(self.prompt[:min(pos + taps.shape[0], len(self.prompt) - 1) + 1])
 
     def attend(self, feature, tokens, positions, slots: slice, mask):
         """Head forward over entries (feature (T, D), token) at positions, written to `slots` -> output (T, D)."""
@@ -171,6 +189,12 @@ class MTPDrafter(FeatureDrafter):
     def start(self, prompt_ids, params=None):
         super().start(prompt_ids, params)
         self.last_taps, self.real = None, 0
+
+    def observe_features(self, pos: int, taps: torch.Tensor):
+        """Only the last row is ever read: the rest is not kept."""
+        super().observe_features(pos, taps)
+        first, joined = self.pending[0][0], torch.cat([t for _, t in self.pending], 0)
+        self.pending = [(first + joined.shape[0] - 1, joined[-1:])]
 
     @torch.inference_mode()
     def propose(self, context: list[int], budget: int, promising=None) -> Draft | None:
