@@ -123,6 +123,7 @@ class SharedMemoryGroup {
   void wait_for(int64_t r) {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
+    double next_check = 0.05;
     for (int64_t i = 0;; ++i) {
       if (load(arrival(r)) >= round_) return;
       if (i < (1 << 14)) {  // a peer inside the same layer: tens of microseconds at most
@@ -132,11 +133,15 @@ class SharedMemoryGroup {
       const double waited = std::chrono::duration<double>(clock::now() - start).count();
       if (waited < 2e-3) {
         sched_yield();
-      } else {
-        // Idle (a follower between requests): let the core go, waking every 50 us.
-        timespec pause{0, 50000};
-        nanosleep(&pause, nullptr);
-        if ((i & 1023) == 0) check_peer(r, waited);
+        continue;
+      }
+      // Idle (a follower between requests): let the core go, in naps of 50 us, then of 1 ms past 0.1 s (an idle
+      // group's first step waits at most that much more).
+      timespec nap{0, waited < 0.1 ? 50000 : 1000000};
+      nanosleep(&nap, nullptr);
+      if (waited > next_check) {
+        check_peer(r, waited);
+        next_check = waited + 0.05;
       }
     }
   }

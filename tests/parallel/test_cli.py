@@ -88,11 +88,11 @@ def test_what_tp_cannot_do_is_one_error_line(tmp_path, heads, args, message):
     assert result.stderr.strip() == message.format(dir=tmp_path)
 
 
-def launch_chat_ranks(path: str, tmp: Path) -> list[subprocess.Popen]:
+def launch_chat_ranks(path: str, tmp: Path, shm: str = "1") -> list[subprocess.Popen]:
     """Two ranks started by hand (no torchrun to kill the survivor): the test sees what our own timeout and error
-    handling do. FASTDECODE_TP_TIMEOUT=6: rank 0 pings an idle group every 3 s."""
+    handling do. FASTDECODE_TP_TIMEOUT=6: rank 0 pings an idle group every 3 s. shm "0": the ranks talk over gloo."""
     env = {**os.environ, **ONE_THREAD, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(WORLD), "FASTDECODE_TP_TIMEOUT": "6"}
+           "WORLD_SIZE": str(WORLD), "FASTDECODE_TP_TIMEOUT": "6", "FASTDECODE_TP_SHM": shm}
     ranks = []
     for rank in range(WORLD):
         ranks.append(subprocess.Popen(
@@ -109,9 +109,10 @@ def launch_chat_ranks(path: str, tmp: Path) -> list[subprocess.Popen]:
     return ranks
 
 
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
 @pytest.mark.parametrize("dead", [1, 0], ids=["follower-dies", "rank0-dies"])
-def test_a_dead_rank_makes_the_other_exit_nonzero(tmp_path, dead):
-    ranks = launch_chat_ranks(str(checkpoint("mistral").gguf_path), tmp_path)
+def test_a_dead_rank_makes_the_other_exit_nonzero(tmp_path, dead, shm):
+    ranks = launch_chat_ranks(str(checkpoint("mistral").gguf_path), tmp_path, shm)
     survivor = ranks[1 - dead]
     try:
         ranks[dead].send_signal(signal.SIGKILL)
