@@ -34,6 +34,7 @@ from common import command_line, fmt, fmt_range, machine, markdown_table, stats,
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list of integers.\"\"\"\n"
+WEIGHTS = {"none": "float32 weights", "gguf": "the file's own formats"}  # what --quant gives every row
 # key: (label, ranks, threads per rank, native C++ step, environment)
 ROWS = {"1x1": ("1 rank x 1 thread", 1, 1, False, {}), "1x2": ("1 rank x 2 threads", 1, 2, False, {}),
         "2x1": ("2 ranks x 1 thread", 2, 1, False, {}),
@@ -203,7 +204,7 @@ def main(argv=None):
         f"`{command_line()}`  ",
         f"{started['cpu']}, {started['cores']} cores, torch {started['torch']}, {started['date']}, load average "
         f"{fmt(started['load_avg_1m_at_start'], '.2f')} at start. Greedy decode of {args.tokens} tokens, "
-        f"{'float32' if args.quant == 'none' else args.quant} weights, "
+        f"{WEIGHTS.get(args.quant, args.quant + ' weights')}, "
         f"{args.rounds} rounds x {args.repeats} runs per row; output tok/s as median (min-max).", "",
         markdown_table(["row", "output tok/s", f"vs {rows[0][0]}", "roofline tok/s", "of roofline",
                         "roofline memory ms", "roofline comm ms", "all-reduce us", "transport", "same tokens",

@@ -62,12 +62,14 @@ def collectives(rank: int, world: int, timeout_s: float, pg: dist.ProcessGroup |
                 capacity: int = CAPACITY) -> Gloo | SharedMemory:
     """Every rank of the group calls this at the same point. Shared memory where all ranks share this host and each
     maps the segment rank 0 made, else gloo."""
+    if world == 1:
+        return Gloo(pg)
     module = shm_module() if os.environ.get("FASTDECODE_TP_SHM", "1") != "0" else None
     # The same host: the same name and boot. Keys are compared by their min and max across the ranks.
     host = zlib.crc32(f"{socket.gethostname()} {boot_id()}".encode())
     state = torch.tensor([host, -host, module is not None])
     dist.all_reduce(state, dist.ReduceOp.MIN, group=pg)
-    if world == 1 or not (int(state[0]) == -int(state[1]) and state[2]):
+    if not (int(state[0]) == -int(state[1]) and state[2]):
         return Gloo(pg)
     path = torch.zeros(PATH_BYTES, dtype=torch.uint8)
     if rank == 0:

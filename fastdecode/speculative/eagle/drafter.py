@@ -191,10 +191,8 @@ class MTPDrafter(FeatureDrafter):
         self.last_taps, self.real = None, 0
 
     def observe_features(self, pos: int, taps: torch.Tensor):
-        """Only the last row is ever read: the rest is not kept."""
-        super().observe_features(pos, taps)
-        first, joined = self.pending[0][0], torch.cat([t for _, t in self.pending], 0)
-        self.pending = [(first + joined.shape[0] - 1, joined[-1:])]
+        """Only the last row is ever read: it replaces whatever was pending."""
+        self.pending = [(pos + taps.shape[0] - 1, taps[-1:])]
 
     @torch.inference_mode()
     def propose(self, context: list[int], budget: int, promising=None) -> Draft | None:
