@@ -7,6 +7,7 @@ process:
     stream   `LLM.stream` from a thread per user, the engine on its own thread (the server's slots, without HTTP)
     server   `fastdecode serve`, each request one `curl` process streaming /v1/completions (a client that costs
              next to nothing)
+    baseline the server way on git revision --baseline's package (an A/B of a change to the serving path)
 The gap between engine and server is what the HTTP layer costs the batch; the gap at 1 user against U users is what
 it costs the concurrency sweep's ratios.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -29,9 +31,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, fmt_range, git_state, machine, markdown_table, stats, write_json  # noqa: E402
+from common import (command_line, fmt_range, git_state, machine, markdown_table, package_at, stats,  # noqa: E402
+                    write_json)
 
-WAYS = ("engine", "stream", "server")
+WAYS = ("engine", "stream", "server", "baseline")
 
 
 def workload(users: int, a) -> list[list[tuple[list[int], int]]]:
@@ -55,7 +58,9 @@ def run_users(work, one) -> float:
 
 def child(way: str, users: int, a) -> float:
     work = workload(users, a)
-    if way == "server":
+    if way == "baseline":  # `python -m` imports the package of the working directory first
+        os.chdir(package_at(a.baseline))
+    if way in ("server", "baseline"):
         from fastdecode.lab.local_server import LocalServer
 
         with LocalServer(a.model, "none", ("--threads", str(a.threads)), 600.0) as server:
@@ -110,7 +115,9 @@ def main():
     p.add_argument("--prompt-tokens", type=int, default=400, help="each prompt: from half to 1.5x this")
     p.add_argument("--output-tokens", type=int, default=350, help="each output: from half to 1.5x this")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--ways", default=",".join(WAYS), help="of engine, stream, server (engine always runs)")
+    p.add_argument("--ways", default="engine,stream,server",
+                   help="of engine, stream, server, baseline (engine always runs)")
+    p.add_argument("--baseline", default="", help="the git revision of the baseline way")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -123,9 +130,12 @@ def main():
         raise SystemExit("error: the server way needs curl")
     levels = [int(u) for u in a.users.split(",")]
     ways = [w for w in WAYS if w == "engine" or w in a.ways.split(",")]
+    if "baseline" in ways and not a.baseline:
+        raise SystemExit("error: the baseline way needs --baseline REV")
     runs = {(way, u): [] for u in levels for way in ways}
     forward = ["--model", a.model, "--threads", str(a.threads), "--requests", str(a.requests), "--prompt-tokens",
-               str(a.prompt_tokens), "--output-tokens", str(a.output_tokens), "--seed", str(a.seed)]
+               str(a.prompt_tokens), "--output-tokens", str(a.output_tokens), "--seed", str(a.seed),
+               "--baseline", a.baseline]
     for r in range(a.runs):
         for u in levels:
             for way in ways if r % 2 == 0 else ways[::-1]:  # the ways take turns, each first in half the runs
@@ -136,7 +146,8 @@ def main():
     rows = [{"way": way, "users": u, "tok_s": stats(runs[(way, u)]),
              "of_engine": stats([s / e for s, e in zip(runs[(way, u)], runs[("engine", u)])])}
             for u in levels for way in ways]
-    report = {"benchmark": "serving_overhead", **git_state(), "command": command_line(), "machine": machine(),
+    report = {"benchmark": "serving_overhead", **git_state(), "baseline": a.baseline or None,
+              "command": command_line(), "machine": machine(),
               "model": a.model, "threads": a.threads, "requests_per_user": a.requests,
               "prompt_tokens": a.prompt_tokens, "output_tokens": a.output_tokens, "rows": rows}
     write_json(a.out / "serving_overhead.json", report)

@@ -49,7 +49,6 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.threads = torch.get_num_threads()  # the engine thread's own OpenMP setting starts at the default
-        self.posted: list[Sequence] = []  # sequences posted to since their readers were last woken
         self.steps = 0
 
     # ---- requests (any thread) -----------------------------------------------------------------------------------
@@ -117,10 +116,7 @@ class Engine:
         for seq in aborted:
             if not seq.finished:
                 self._finish(seq, "abort")
-        ran = self.step()
-        if not ran or not self.scheduler.has_work():  # no forward follows to wake them
-            self.wake_readers()
-        return ran
+        return self.step()
 
     @torch.inference_mode()
     def step(self) -> bool:
@@ -134,7 +130,6 @@ class Engine:
                 w.seq.first_scheduled = t0
         try:
             batch = self._batch(work)
-            self.wake_readers()
             taps = self.speculator.taps if self.speculator is not None else None
             hidden, taps = self.runner.forward_taps(batch, taps) if taps else (self.runner.forward(batch), None)
             logits = self.model.head(hidden[batch.logit_rows]) if batch.logit_rows.numel() else None
@@ -244,7 +239,7 @@ class Engine:
                 reason = "length"
                 break
         t.output_tokens, t.decode_s = seq.num_output, now - seq.first_token
-        self._post(seq, "tokens", out)
+        seq.post("tokens", out)
         if reason is not None:
             self._finish(seq, reason)
 
@@ -252,27 +247,14 @@ class Engine:
         if self.speculator is not None:
             self.speculator.finish(seq)
         self.scheduler.finish(seq, reason)
-        self._post(seq, "finished", reason)
+        seq.post("finished", reason)
 
     def _fail(self, seq: Sequence, error: Exception):
         if not seq.finished:
             if self.speculator is not None:
                 self.speculator.finish(seq, learn=False)
             self.scheduler.finish(seq, "error")
-            self._post(seq, "error", error)
-
-    def _post(self, seq: Sequence, kind: str, value):
-        seq.post(kind, value)
-        self.posted.append(seq)
-
-    def wake_readers(self):
-        """Wakes the event-loop readers of what the last step posted. The engine calls it as the next step's forward
-        starts, when this thread lets go of the GIL for the kernels: the loop then turns the tokens into events while
-        the step computes, rather than holding the GIL against the Python that schedules and builds the step (the
-        server's overhead at 8 users). With no step to follow, at once."""
-        posted, self.posted = self.posted, []
-        for seq in posted:
-            seq.wake_reader()
+            seq.post("error", error)
 
     def _learn_speed(self, work: list[Work], rows: int, seconds: float):
         """Prompt rows per second (to size chunks while others decode); a decode-only step's cost by rows (for the

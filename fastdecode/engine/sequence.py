@@ -42,7 +42,7 @@ class Sequence:
     first_token: float | None = None
     speculation: object | None = None  # speculative.batch.SequenceDrafts when the engine speculates
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    notify: Callable[[], None] | None = None  # an asyncio reader's wake-up (LLM.astream), called by the engine
+    notify: Callable[[], None] | None = None  # called after each post: an asyncio reader's wake-up (LLM.astream)
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -61,11 +61,8 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def post(self, kind: str, value=None):
-        """("tokens", [ids]), then one of ("finished", reason) or ("error", exception). A reader on an event loop
-        learns of it through `notify`, which the engine calls (Engine.wake_readers)."""
+        """("tokens", [ids]), then one of ("finished", reason) or ("error", exception)."""
         self.outbox.put((kind, value))
-
-    def wake_reader(self):
         if self.notify is not None:
             try:
                 self.notify()

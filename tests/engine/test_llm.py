@@ -235,33 +235,3 @@ def test_closing_or_cancelling_an_asyncio_stream_ends_it_in_the_engine_mid_prefi
     asyncio.run(cancelled())
     assert engine_empty()
     llm.close()
-
-
-def test_a_steps_readers_are_woken_as_the_next_forward_starts_and_at_once_after_the_last(smollm2_path):
-    """Engine.wake_readers: an event loop's reader of a step's tokens is woken as the next step's forward starts (where
-    the engine's thread lets go of the GIL for the kernels), not while the engine's Python still runs; every post is
-    woken, and after the last step none is left waiting."""
-    llm = LLM(str(smollm2_path), speculate="none")
-    engine = llm.engine
-    engine.background = False  # this thread steps it
-    log = []  # ("forward" | "wake", engine.steps then)
-    forward = engine.runner.forward
-
-    def logged_forward(batch):
-        log.append(("forward", engine.steps))
-        return forward(batch)
-    engine.runner.forward = logged_forward
-    seqs = [engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            for ids, n in (([1, 2, 3, 4, 5], 3), ([7, 8, 9], 6))]
-    for seq in seqs:
-        seq.notify = lambda: log.append(("wake", engine.steps))
-    while engine.pump():
-        pass
-    posts = sum(seq.outbox.qsize() for seq in seqs)  # each token post, and each end
-    wakes = [i for i, (what, _) in enumerate(log) if what == "wake"]
-    assert len(wakes) == posts == 3 + 6 + 2 and engine.posted == []
-    for i in wakes:  # within the step whose forward comes next, after its scheduling and batch
-        later = [steps for what, steps in log[i:] if what == "forward"]
-        assert not later or later[0] == log[i][1]
-    assert log[-1][0] == "wake"  # the last step's posts: woken with no forward to wait for
-    llm.close()
