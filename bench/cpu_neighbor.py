@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -104,7 +105,8 @@ def main():
             argv = [__file__, *forward, "--child"]
             code = (f"import sys, runpy; sys.path.insert(0, {paths[s]!r}); sys.argv = {argv!r}; "
                     f"runpy.run_path({__file__!r}, run_name='__main__')")
-            out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+            out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                                 env={**os.environ, "FASTDECODE_KV_DISK_GB": "0"}).stdout  # (serving_overhead.py)
             rounds[s] += json.loads(out.splitlines()[-1])
             print(f"process {i + 1}/{a.processes}, {names[s]}: {rounds[s][-a.rounds:]}", file=sys.stderr)
     rows = []

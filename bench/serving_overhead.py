@@ -133,6 +133,9 @@ def main():
     if "baseline" in ways and not a.baseline:
         raise SystemExit("error: the baseline way needs --baseline REV")
     runs = {(way, u): [] for u in levels for way in ways}
+    # No KV disk tier: every run sends the same seeded prompts, and a tier kept between runs would serve later runs
+    # (and the ways that run later) prefixes that the first computed.
+    env = {**os.environ, "FASTDECODE_KV_DISK_GB": "0"}
     forward = ["--model", a.model, "--threads", str(a.threads), "--requests", str(a.requests), "--prompt-tokens",
                str(a.prompt_tokens), "--output-tokens", str(a.output_tokens), "--seed", str(a.seed),
                "--baseline", a.baseline]
@@ -140,7 +143,7 @@ def main():
         for u in levels:
             for way in ways if r % 2 == 0 else ways[::-1]:  # the ways take turns, each first in half the runs
                 out = subprocess.run([sys.executable, __file__, *forward, "--child", f"{way}:{u}"], check=True,
-                                     capture_output=True, text=True).stdout
+                                     capture_output=True, text=True, env=env).stdout
                 runs[(way, u)].append(json.loads(out.splitlines()[-1])["tok_s"])
                 print(f"run {r + 1}/{a.runs}, {u} users, {way}: {runs[(way, u)][-1]:.1f} tok/s", file=sys.stderr)
     rows = [{"way": way, "users": u, "tok_s": stats(runs[(way, u)]),
