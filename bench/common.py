@@ -111,6 +111,11 @@ def package_at(rev: str) -> Path:
     return top
 
 
+def kernels_changed_since(rev: str) -> bool:
+    """Whether the kernel sources in the working tree differ from revision `rev`'s."""
+    return bool(git("diff", "--name-only", short_sha(rev), "--", "fastdecode/kernels/").strip())
+
+
 def native_kernels_at(rev: str):
     """fastdecode's native kernels as they were at git revision `rev`, built as a second extension module beside the
     current one, so that a benchmark can time both side by side in one process. The packed weight layouts must be

@@ -51,12 +51,14 @@ class Fastdecode:
         if rev:  # `auto@REV`: fastdecode as it was at git revision REV, its Python and its native kernels
             import torch.utils.cpp_extension as extension
 
-            from common import native_kernels_at, package_at
+            from common import kernels_changed_since, native_kernels_at, package_at
 
             sys.path.insert(0, str(package_at(rev)))
-            ops, load = native_kernels_at(rev), extension.load
-            # REV's own build would overwrite today's under the same name and directory: hand it the copy built apart
-            extension.load = lambda name, *a, **kw: ops if name == "fastdecode_native" else load(name, *a, **kw)
+            if kernels_changed_since(rev):  # (else REV's package builds today's kernels: the same sources, one build)
+                ops, load = native_kernels_at(rev), extension.load
+                # REV's own build would overwrite today's under the same name and directory: hand it the copy built
+                # apart
+                extension.load = lambda name, *a, **kw: ops if name == "fastdecode_native" else load(name, *a, **kw)
         from fastdecode import LLM
 
         self.llm = LLM(model, quant=quant or "none", threads=threads, speculate=config)

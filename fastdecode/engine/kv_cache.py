@@ -59,7 +59,6 @@ class KVCache:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # checked on a hit: no false sharing
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, least recent first
-        self.hits = self.queries = 0  # prompt tokens found cached / looked up (the hit rate)
         self.disk = None  # a kv_disk.DiskTier under the pool, or None
         # move(src, dst) -> None, called with each move before it is made here: tensor parallelism's rank 0 repeats
         # it on the other ranks' caches, whose slots mirror this one's (parallel/runner.py). None: nothing to tell.
@@ -133,8 +132,6 @@ class KVCache:
                 self._ref(block)
             table.blocks.append(block)
             table.hashes.append(h)
-        self.queries += len(tokens)
-        self.hits += len(table.blocks) * bs
         return len(table.blocks) * bs
 
     def reserve(self, table: BlockTable, tokens: int):

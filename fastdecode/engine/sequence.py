@@ -3,7 +3,6 @@ outbox of events for whoever waits on it."""
 from __future__ import annotations
 
 import enum
-import itertools
 import queue
 import time
 from dataclasses import dataclass, field
@@ -12,8 +11,6 @@ from typing import Callable
 from fastdecode.engine.timings import Timings
 from fastdecode.engine.kv_cache import BlockTable
 from fastdecode.engine.sampling import Sampler, SamplingParams
-
-_ids = itertools.count()
 
 
 class Status(enum.Enum):
@@ -30,7 +27,6 @@ class Sequence:
     stop_ids: set[int]
     salt: str = ""  # prefix-cache namespace: requests share cached blocks only within one salt
     tenant: str | None = ""  # drafters' cross-request memory is shared within a tenant; None: this request only
-    seq_id: int = field(default_factory=lambda: next(_ids))
     tokens: list[int] = field(default_factory=list)  # prompt and output so far
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens[:num_computed] have their keys and values in the cache

@@ -3,7 +3,6 @@ loopback port, waits for /health, and stops it at the end, so a local number and
 from __future__ import annotations
 
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,17 +11,12 @@ from pathlib import Path
 
 import httpx
 
+from fastdecode.agents.server import free_port
 from fastdecode.errors import FastdecodeError
 
 
 class ServerStartError(FastdecodeError):
     """`fastdecode serve` is missing, exited, or did not answer /health in time."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(args: list[str]) -> list[str]:

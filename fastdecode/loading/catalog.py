@@ -59,14 +59,6 @@ def resolve(model: str, pull_missing: bool = True, log=print) -> Path:
     return path
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def pull(name: str, force: bool = False, log=print) -> Path:
     if name not in CATALOG:
         raise FastdecodeError(f"unknown model {name!r}; registered: {', '.join(CATALOG)}")

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import ast
 import random
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from fastdecode.eval.corpus import stdlib_files
 
 HOLDOUT = 3  # bench/speculative.py times the first 3 prompts of each category: never train on them
 TASKS = ["Explain what this Python function does, step by step:", "Write pytest unit tests for this function:",
@@ -39,10 +40,6 @@ TOPICS = ["a city built on stilts", "a robot that learns to garden", "night-shif
 class Sequence:
     ids: list[int]
     source: str
-
-
-def stdlib_files() -> list[Path]:
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
 
 
 def stdlib_functions(rng: random.Random, n: int) -> list[str]:

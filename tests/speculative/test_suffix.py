@@ -3,7 +3,8 @@ import random
 
 import pytest
 
-from fastdecode.speculative.suffix import PROMPT_TAIL, SuffixDrafter, SuffixMemory, SuffixTrie, TextIndex, grow_tree
+from fastdecode.speculative.suffix import (PROMPT_TAIL, SuffixDrafter, SuffixMemory, SuffixTrie, TextIndex, first_scores,
+                                          grow_tree)
 
 
 def test_trie_counts_every_suffix_up_to_its_depth():
@@ -124,6 +125,7 @@ def test_text_index_matches_and_drafts_as_a_trie_over_the_same_text(seed):
         assert m2 == m and (occ is None) == (node is None)
         if node is None:
             continue
+        assert sorted(first_scores(occ, m)) == sorted(first_scores(node, m))
         for budget, max_depth in ((1, 1), (8, 2), (24, 48)):
             a = grow_tree(node, m, budget, max_depth, 0.01, "suffix")
             b = grow_tree(occ, m, budget, max_depth, 0.01, "suffix")
