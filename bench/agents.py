@@ -11,6 +11,7 @@ user's files are unchanged; the tiny model's answer is not judged. Writes the se
 the scratch folder.
 
     python bench/agents.py [--agents claude,codex,opencode] [--threads 2] [--timeout 1800]
+    python bench/agents.py --threads 1 --serve-args '--replicas 2'   # through two engine replicas on Ray Serve
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def run_agent(agent: Agent, args, scratch: Path) -> str | None:
     log.unlink(missing_ok=True)
     turns = ["--", "--max-turns", str(args.max_turns)] if agent.name == "claude" else []
     command = [sys.executable, "-m", "fastdecode", "launch", agent.name, "-m", args.model, "--port", str(port),
-               "--serve-args", f"--threads {args.threads} --request-timeout 3600",
+               "--serve-args", f"--threads {args.threads} --request-timeout 3600 {args.serve_args}",
                "--output-tokens", str(args.output_tokens), "-p", TASK, *turns]  # a tiny model may ramble on
     start = time.monotonic()
     try:
@@ -140,6 +141,8 @@ def main():
                         "the protocol")
     parser.add_argument("--output-tokens", type=int, default=512, help="the agents' reply ceiling")
     parser.add_argument("--agents", default=",".join(AGENTS), help=f"comma-separated, of {', '.join(AGENTS)}")
+    parser.add_argument("--serve-args", default="", help="more `fastdecode serve` options, e.g. '--replicas 2' "
+                        "(--threads is then each replica's)")
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="fastdecode-agents-"))
