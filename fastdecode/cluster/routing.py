@@ -57,6 +57,16 @@ def session_key(route: Route) -> int:
     return hash((route.namespace, route.session))
 
 
+def put_recent(table: collections.OrderedDict, items, limit: int):
+    """`items` ((key, value) pairs) into `table` as its most recent entries; past `limit` entries the least recent
+    go."""
+    for key, value in items:
+        table[key] = value
+        table.move_to_end(key)
+    while len(table) > limit:
+        table.popitem(last=False)
+
+
 @dataclass
 class Choice:
     replica: str
@@ -144,24 +154,9 @@ class RoutingTable:
     def _remember(self, route: Route, replica: str):
         """The route's session and blocks are on `replica` now."""
         if route.session is not None:
-            key = session_key(route)
-            self.sessions[key] = replica
-            self.sessions.move_to_end(key)
-            while len(self.sessions) > self.max_sessions:
-                self.sessions.popitem(last=False)
-        for h in route.blocks:
-            holders = self.blocks.get(h)
-            if holders is None:
-                self.blocks[h] = holders = set()
-            holders.add(replica)
-            self.blocks.move_to_end(h)
-        while len(self.blocks) > self.max_blocks:
-            self.blocks.popitem(last=False)
-        if route.blocks:
-            self.ends[route.blocks[-1]] = None
-            self.ends.move_to_end(route.blocks[-1])
-            while len(self.ends) > self.max_sessions:
-                self.ends.popitem(last=False)
+            put_recent(self.sessions, [(session_key(route), replica)], self.max_sessions)
+        put_recent(self.blocks, [(h, {*self.blocks.get(h, ()), replica}) for h in route.blocks], self.max_blocks)
+        put_recent(self.ends, [(end, None) for end in route.blocks[-1:]], self.max_sessions)
 
     def finished(self, route: Route):
         """The request ended, however: its replica has one request less in flight."""
