@@ -124,10 +124,9 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
         handed_off = False
         try:
             if stream and fmt.early_start:  # Messages, Responses: headers and keep-alives before the first token
-                handed_off = True
-                return StreamingResponse(events(run, fmt, PENDING, chunks, tenant), media_type="text/event-stream",
-                                         headers=SSE_HEADERS)
-            first = await until_disconnected(request, anext(chunks, None))
+                first = PENDING
+            else:
+                first = await until_disconnected(request, anext(chunks, None))
             if stream:
                 handed_off = True
                 return StreamingResponse(events(run, fmt, first, chunks, tenant), media_type="text/event-stream",

@@ -16,6 +16,7 @@ from fastdecode.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from fastdecode.errors import FastdecodeError
 from fastdecode.server.errors import ApiError
 from fastdecode.server.formats import ReplyFormat, reasoning_in, tool_format
+from fastdecode.server.formats.base import valid_unicode
 from fastdecode.server.formats.lark import vocabulary_tokens
 from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from fastdecode.server.structured import output_grammar
@@ -159,21 +160,19 @@ def reply_grammar(body: ChatCompletionRequest, prompt: ChatPrompt, served: Serve
     response_format asks of text does not apply to it); otherwise response_format and the like; otherwise, with
     tools offered, text or well-formed calls in the format the model was taught."""
     reply = prompt.reply
+    parallel = body.parallel_tool_calls is not False
     if prompt.forced:
         tools = {t["function"]["name"]: t["function"].get("parameters") for t in prompt.forced}
         # A named function is one call to it (as vLLM and OpenAI answer); "required" one or more, as the request's
         # parallel_tool_calls allows.
-        parallel = body.parallel_tool_calls is not False and body.tool_choice == "required"
-        return call_grammar(body, prompt, served, tools, forced=True, parallel=parallel), "tool_choice"
+        return call_grammar(prompt, served, tools, True, parallel and body.tool_choice == "required"), "tool_choice"
     asked = output_grammar(body)
     if asked is not None or reply is None or not reply.tools:
         return asked
-    return call_grammar(body, prompt, served, reply.tools, forced=False, parallel=body.parallel_tool_calls is not False
-                        ), "tools"
+    return call_grammar(prompt, served, reply.tools, False, parallel), "tools"
 
 
-def call_grammar(body: ChatCompletionRequest, prompt: ChatPrompt, served: ServedModel, tools: dict, forced: bool,
-                 parallel: bool) -> str:
+def call_grammar(prompt: ChatPrompt, served: ServedModel, tools: dict, forced: bool, parallel: bool) -> str:
     lark = prompt.reply.tool_parser.call_grammar(tools, forced=forced, parallel=parallel,
                                                  reasoning=prompt.reply.reasoning, strict=prompt.strict,
                                                  template=prompt.template, added_tokens=served.added_tokens)
@@ -189,15 +188,13 @@ def completion_request(body: CompletionRequest, served: ServedModel) -> EngineRe
         prompt = prompt[0]
     if body.suffix:
         raise ApiError(400, "suffix is not supported", "suffix")
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", "prompt")
     if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", "prompt")
         unicode_text(prompt, "prompt")
         can_fit(llm, len(prompt), "prompt")
         prompt_ids = encode(lambda: llm.encode_prompt(prompt))
     else:
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", "prompt")
         if not all(0 <= i < llm.config.vocab_size for i in prompt):
             raise ApiError(400, f"prompt token ids must lie in [0, {llm.config.vocab_size})", "prompt")
         prompt_ids = list(prompt)
@@ -236,10 +233,8 @@ def message_dict(m) -> dict:
 
 def unicode_text(text: str, param: str):
     """JSON can spell lone surrogates (\\ud800); they are not text and the tokenizer cannot take them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, "the text is not valid Unicode: it holds a lone surrogate", param) from None
+    if not valid_unicode(text):
+        raise ApiError(400, "the text is not valid Unicode: it holds a lone surrogate", param)
 
 
 def can_fit(llm, chars: int, param: str):
