@@ -24,13 +24,7 @@ MAX_DEPTH = 64  # nested arrays and objects: far past any tool's arguments, far 
 def new_call(name: str, arguments) -> dict | None:
     """An OpenAI tool call; None when `arguments` (JSON text, or its value) is not an object JSON writes plainly.
     Text the model wrote is kept as written."""
-    if isinstance(arguments, str):
-        try:
-            value = json.loads(arguments)
-        except (ValueError, RecursionError):  # RecursionError: JSON nested past the stack
-            return None
-    else:
-        value = arguments
+    value = loads_object(arguments)
     if not isinstance(value, dict) or json_problem(value) is not None:
         return None
     if not isinstance(arguments, str):
