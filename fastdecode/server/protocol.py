@@ -73,7 +73,7 @@ class Formatter:
 
     def __init__(self, model: str, tokenizer, prompt_tokens: int, logprobs: bool, include_usage: bool,
                  reply: ReplyFormat | None = None):
-        self.id = f"{self.prefix}-{secrets.token_hex(12)}"
+        self.id = f"{self.prefix}{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.model = model
         self.tokenizer = tokenizer
@@ -156,6 +156,10 @@ class Formatter:
         entries, self.sent = self.entries[self.sent:], len(self.entries)
         return entries
 
+    def finish_reason(self, completion, end: str | None) -> str:
+        """OpenAI's: a reply cut by the request's time limit ran out of length, as one cut by max_tokens did."""
+        return completion.finish_reason if completion is not None and end != "timeout" else "length"
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
@@ -167,7 +171,7 @@ class Formatter:
 
 
 class ChatFormatter(Formatter):
-    prefix, object_name = "chatcmpl", "chat.completion"
+    prefix, object_name = "chatcmpl-", "chat.completion"
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -206,9 +210,7 @@ class ChatFormatter(Formatter):
                 "fastdecode": speed(queue_s, completion, end, self.expose_speculation)}
 
     def finish_reason(self, completion, end: str | None) -> str:
-        if self.tool_calls:
-            return "tool_calls"
-        return completion.finish_reason if completion is not None and end != "timeout" else "length"
+        return "tool_calls" if self.tool_calls else super().finish_reason(completion, end)
 
     def _choice(self, delta: dict, finish_reason: str | None = None) -> dict:
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -242,7 +244,7 @@ class ChatFormatter(Formatter):
 
 
 class TextFormatter(Formatter):
-    prefix, object_name = "cmpl", "text_completion"
+    prefix, object_name = "cmpl-", "text_completion"
 
     def __init__(self, *args, echo: str | None = None, **kw):
         super().__init__(*args, **kw)
@@ -278,9 +280,6 @@ class TextFormatter(Formatter):
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": self.usage(completion),
                 "fastdecode": speed(queue_s, completion, end, self.expose_speculation)}
-
-    def finish_reason(self, completion, end: str | None) -> str:
-        return completion.finish_reason if completion is not None and end != "timeout" else "length"
 
     def _choice(self, text: str, finish_reason: str | None = None) -> dict:
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 
 from fastdecode.server.errors import anthropic_error_body
 from fastdecode.server.formats import ReplyFormat
@@ -17,12 +16,11 @@ from fastdecode.server.protocol import Formatter, cached_tokens, named_sse, spee
 
 
 class MessagesFormatter(Formatter):
-    prefix, early_start = "msg", True
+    prefix, early_start = "msg_", True
 
     def __init__(self, model: str, tokenizer, prompt_tokens: int, reply: ReplyFormat | None,
                  stop_sequences: list[str] | None, clamped: bool):
         super().__init__(model, tokenizer, prompt_tokens, logprobs=False, include_usage=False, reply=reply)
-        self.id = f"msg_{secrets.token_hex(12)}"
         self.stop_sequences = stop_sequences or []
         self.clamped = clamped
         self.blocks: list[dict] = []

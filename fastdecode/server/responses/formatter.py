@@ -14,12 +14,11 @@ from fastdecode.server.responses.schemas import ResponsesRequest
 
 
 class ResponsesFormatter(Formatter):
-    prefix, early_start = "resp", True
+    prefix, early_start = "resp_", True
 
     def __init__(self, model: str, tokenizer, prompt_tokens: int, reply: ReplyFormat | None,
                  body: ResponsesRequest):
         super().__init__(model, tokenizer, prompt_tokens, logprobs=False, include_usage=False, reply=reply)
-        self.id = f"resp_{secrets.token_hex(12)}"
         self.request = {  # what a response echoes of its request
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
