@@ -224,11 +224,7 @@ def checked_template_kwargs(kwargs: dict | None) -> dict | None:
     taken = sorted(RESERVED_TEMPLATE_NAMES & kwargs.keys())
     if taken:
         raise PydanticCustomError("reserved_template_variable", f"chat_template_kwargs may not set {taken[0]}")
-    try:
-        check_size(kwargs, "chat_template_kwargs")
-    except InvalidRequestError as e:
-        raise PydanticCustomError("invalid_template_kwargs", str(e)) from None
-    return kwargs
+    return checked_schema(kwargs, None, "chat_template_kwargs")  # the size limits alone
 
 
 class ChatCompletionRequest(Sampling):
