@@ -26,34 +26,15 @@ def main():
 
 
 # ---- commands from each part (imports kept here so `fastdecode --help` lists them all) ----
-from fastdecode.engine.cli import COMMANDS as ENGINE_COMMANDS  # noqa: E402
-
-for command in ENGINE_COMMANDS:
-    main.add_command(command)
-
-from fastdecode.roofline.cli import probe_command, roofline_command  # noqa: E402
-
-main.add_command(roofline_command)
-main.add_command(probe_command)
-
-from fastdecode.eval.cli import eval_command  # noqa: E402
-from fastdecode.quant.cli import quantize_command  # noqa: E402
-
-main.add_command(quantize_command)
-main.add_command(eval_command)
-
-from fastdecode.lab.cli import bench_command  # noqa: E402
-
-main.add_command(bench_command)
-
-from fastdecode.server.cli import serve  # noqa: E402
-
-main.add_command(serve)
-
 from fastdecode.agents.cli import launch_command  # noqa: E402
-
-main.add_command(launch_command)
-
+from fastdecode.engine.cli import COMMANDS as ENGINE_COMMANDS  # noqa: E402
+from fastdecode.eval.cli import eval_command  # noqa: E402
+from fastdecode.lab.cli import bench_command  # noqa: E402
+from fastdecode.quant.cli import quantize_command  # noqa: E402
+from fastdecode.roofline.cli import probe_command, roofline_command  # noqa: E402
+from fastdecode.server.cli import serve  # noqa: E402
 from fastdecode.train.cli import train_drafter_command  # noqa: E402
 
-main.add_command(train_drafter_command)
+for command in (*ENGINE_COMMANDS, roofline_command, probe_command, quantize_command, eval_command, bench_command, serve,
+                launch_command, train_drafter_command):
+    main.add_command(command)
