@@ -124,5 +124,4 @@ def install_error_handlers(app: FastAPI):
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception):  # a bug of ours: logged, answered without its text
-        return JSONResponse(error_body_for(request.url.path, 500, internal_error(exc)["error"]["message"]),
-                            status_code=500)
+        return error_response(request, 500, internal_error(exc)["error"]["message"])
