@@ -81,8 +81,7 @@ class EngineReplica:
         """What the ingress needs to check and format requests without the model: it loads only the tokenizer."""
         llm = self.llm
         return {"name": llm.name, "path": str(llm.path), "config": llm.config, "context": llm.context,
-                "speculate": llm.speculate, "max_batch": llm.engine.config.max_batch,
-                "weight_bytes_per_token": llm.weight_bytes_per_token(), "threads": llm.engine.threads}
+                "speculate": llm.speculate}
 
     async def generate(self, request: ReplicaRequest, route=None):
         """`route` is the router's (router.py), not ours."""
