@@ -124,9 +124,9 @@ class ResponsesFormatter(Formatter):
         self.items.append(item)
         index = len(self.items) - 1
         added = self._event("response.output_item.added", output_index=index, item={**item, "content": []})
-        item["content"].append(text_part(item_type, ""))
+        item["content"].append(text_part(item_type))
         return [added, self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                   content_index=0, part=text_part(item_type, ""))]
+                                   content_index=0, part=text_part(item_type))]
 
     def _close(self) -> list[dict]:
         if self.growing is None:
@@ -147,9 +147,7 @@ class ResponsesFormatter(Formatter):
 PART = {"message": "output_text", "reasoning": "reasoning_text"}  # an item's text part, as event names spell it
 
 
-def text_part(item_type: str, text: str) -> dict:
-    return output_text(text) if item_type == "message" else {"type": "reasoning_text", "text": text}
-
-
-def output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(item_type: str) -> dict:
+    """An item's text part, still empty; a message's output_text also carries annotations and logprobs."""
+    extra = {"annotations": [], "logprobs": []} if item_type == "message" else {}
+    return {"type": PART[item_type], "text": "", **extra}
