@@ -32,17 +32,6 @@ def event_json(event: dict) -> str:
     return json.dumps(event, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-def usage(prompt_tokens: int, completion_tokens: int, completion=None, reasoning_tokens: int | None = None) -> dict:
-    """OpenAI's usage object; prompt_tokens_details.cached_tokens counts the prompt tokens the prefix cache held,
-    completion_tokens_details.reasoning_tokens (chat replies) those of the reasoning."""
-    cached = cached_tokens(completion)
-    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
-    if reasoning_tokens is not None:
-        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return out
-
-
 def cached_tokens(completion) -> int:
     """Prompt tokens the engine did not prefill because its prefix cache held them."""
     return completion.timings.cached_tokens if completion is not None else 0
@@ -142,8 +131,14 @@ class Formatter:
         return min(self.tokens, len(self.tokenizer.encode(text, add_special_tokens=False))) if text else 0
 
     def usage(self, completion) -> dict:
-        return usage(self.prompt_tokens, self.tokens, completion,
-                     self.reasoning_tokens() if self.parser is not None else None)
+        """OpenAI's usage object; prompt_tokens_details.cached_tokens counts the prompt tokens the prefix cache held,
+        completion_tokens_details.reasoning_tokens (chat replies read by a parser) those of the reasoning."""
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+               "total_tokens": self.prompt_tokens + self.tokens,
+               "prompt_tokens_details": {"cached_tokens": cached_tokens(completion)}}
+        if self.parser is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens()}
+        return out
 
     def settle(self, completion):
         """At the end: the engine's count is the truth (a token that completes a stop string is not streamed)."""
