@@ -57,11 +57,10 @@ class RequestPoint:
 class Recorder:
     """The dashboard's window of numbers; `start` samples the gauges on a thread of its own."""
 
-    def __init__(self, llm, scheduler, ceiling: dict | None = None, window_s: float = WINDOW_S,
-                 sample_s: float = SAMPLE_S):
+    def __init__(self, llm, scheduler, ceiling: dict | None = None):
         """ceiling: roofline.probe.decode_ceiling's figures for the model (serve measures them at start), or None."""
-        self.llm, self.scheduler, self.window_s, self.sample_s = llm, scheduler, window_s, sample_s
-        self.samples: deque[Sample] = deque(maxlen=int(window_s / sample_s) + 1)
+        self.llm, self.scheduler, self.window_s, self.sample_s = llm, scheduler, WINDOW_S, SAMPLE_S
+        self.samples: deque[Sample] = deque(maxlen=int(WINDOW_S / SAMPLE_S) + 1)
         self.requests: deque[RequestPoint] = deque(maxlen=MAX_REQUESTS)
         self.ceiling = ceiling and {"decode_tok_s": round_figure(ceiling["decode_tok_s"]),
                                     "bandwidth_gb_s": round(ceiling["bandwidth_gb_s"], 2),
