@@ -134,7 +134,7 @@ def block_tensors(t, heads: int | None = None) -> dict[str, torch.Tensor]:
     "mins" too); Q4_0/Q4_1 -> {"blocks" (N, K/32, 16) uint8, the block's nibble bytes as they are, "scales", "mins"
     (N, K/32) fp16}; a K-quant -> {"blocks" (N, K/256, bytes) uint8}, its super-blocks as they are: what the quant
     modules' from_tensors take (fastdecode.quant), with no value rounded on the way; MXFP4 -> {"blocks" (N, K/32, 16),
-    "scales" (N, K/32) E8M0 bytes}. Q8_0/Q4_0/Q4_1/K-quant blocks and
+    "scales" (N, K/32) E8M0 bytes}, as Fp4Linear takes them. Q8_0/Q4_0/Q4_1/K-quant blocks and
     scales are strided views of the mapped file (Q4_0's mins excepted), so packing reads the file once and the
     tensor's pages must stay mapped until then. `heads` (permuted_heads) undoes llama.cpp's q/k row permutation: rows
     are whole blocks, so it moves bytes, not values (a copy)."""

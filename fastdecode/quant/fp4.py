@@ -188,15 +188,6 @@ class Fp4Linear(QuantLinear):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.table = scale_table(fmt, self.tensor_scale)  # not a buffer: derived, and not part of the weight bytes
 
-    @staticmethod
-    def encode(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
-        return quantize_fp4(w, fmt)
-
-    @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], fmt: str, bias: torch.Tensor | None = None,
-                     backend: str | None = None):
-        return cls(fmt, t, bias, backend)
-
     @classmethod
     def from_weight(cls, w: torch.Tensor, fmt: str, bias: torch.Tensor | None = None, backend: str | None = None):
         return cls(fmt, quantize_fp4(w, fmt), bias, backend)
