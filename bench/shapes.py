@@ -34,6 +34,8 @@ import numpy as np
 from common import command_line, fmt, fmt_range, git_state, machine, markdown_table, stats, write_json
 from decode import bandwidth, bytes_per_token, gguf_info, probe_size
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.helpers
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -146,7 +148,7 @@ def random_blocks(rng, shape, qtype: str) -> np.ndarray:
     """(rows, bytes per row) uint8: random codes, every block's fp16 scales (d, and dmin) about the type's."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from fastdecode.quant import kquant_blocks
+    from tests.helpers import kquant_blocks  # the K-quant writer the tests' GGUFs use
 
     qt = getattr(GGMLQuantizationType, qtype)
     block, block_bytes = GGML_QUANT_SIZES[qt]

@@ -162,9 +162,6 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
         ).check()
-        kind = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type") or "default"
-        if kind not in SUPPORTED_ROPE_SCALING:
-            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
         if rope_scaling:
             where = "rope_parameters" if rope_scaling is rope_parameters else "rope_scaling"
             check_rope_scaling(rope_scaling, lambda key: f"config.json {where}.{key}")
@@ -310,10 +307,13 @@ def number(v) -> bool:
 
 
 def check_rope_scaling(scaling: dict, name):
-    """Raises ModelFileError, naming the key as `name(key)` spells it, unless each key layers/rotary.py reads for this
-    kind of scaling is a finite number it can use: factors, lengths and betas above 0 (each divides or goes under a
-    logarithm), mscales not negative, llama3's high frequency factor above its low one (it divides by the gap)."""
+    """Raises UnsupportedModelError for a kind of scaling layers/rotary.py does not have, and ModelFileError, naming
+    the key as `name(key)` spells it, unless each key it reads for this kind is a finite number it can use: factors,
+    lengths and betas above 0 (each divides or goes under a logarithm), mscales not negative, llama3's high frequency
+    factor above its low one (it divides by the gap)."""
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind not in SUPPORTED_ROPE_SCALING:
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
     needed, optional = ROPE_SCALING_KEYS.get(kind, ((), ()))
     for key in needed + optional:
         value = scaling.get(key)

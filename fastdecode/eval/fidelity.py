@@ -81,12 +81,7 @@ def greedy(llm, prompts, n_tokens: int, progress=lambda items: items) -> Greedy:
 
 def agreement_length(a: list[int], b: list[int]) -> int:
     """Tokens equal from the start until the first difference."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def compare(scores: Scores, reference: Scores, runs: Greedy, reference_runs: Greedy) -> dict:

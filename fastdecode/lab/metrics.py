@@ -147,10 +147,10 @@ def error_kinds(records: list[RequestRecord]) -> dict[str, int]:
     return dict(kinds)
 
 
-def group_by(records: list[RequestRecord], key) -> dict[str, list[RequestRecord]]:
-    groups: dict[str, list[RequestRecord]] = defaultdict(list)
-    for r in records:
-        groups[key(r)].append(r)
+def group_by(items: list, key) -> dict:
+    groups = defaultdict(list)
+    for item in items:
+        groups[key(item)].append(item)
     return dict(groups)
 
 
@@ -160,16 +160,9 @@ def soak_series(records: list[RequestRecord], interval_s: float, window: int = W
     if not ms:
         return []
     start = min(r.sent_at for r in records)
-    bins = group_by_bin(ms, start, interval_s)
+    bins = group_by(ms, lambda m: int((m.end_at - start) // interval_s))
     return [{"t_s": (b + 0.5) * interval_s, "median_tok_s": float(np.median([m.output_tok_s for m in group])),
              "requests": len(group)} for b, group in sorted(bins.items())]
-
-
-def group_by_bin(ms: list[RequestMetrics], start: float, interval_s: float) -> dict[int, list[RequestMetrics]]:
-    bins: dict[int, list[RequestMetrics]] = defaultdict(list)
-    for m in ms:
-        bins[int((m.end_at - start) // interval_s)].append(m)
-    return bins
 
 
 def summarize(records: list[RequestRecord], window: int = WINDOW_TOKENS, interval_s: float = 10.0) -> dict:

@@ -66,28 +66,42 @@ def fmt(x, scale=1.0) -> str:
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}" if abs(v) >= 1 else f"{v:.3f}"
 
 
+def html_table(cls: str, head: list[str], rows: list[list]) -> str:
+    cells = lambda tag, row: "".join(f"<{tag}>{escape(str(c))}</{tag}>" for c in row)  # noqa: E731
+    body = "".join(f"<tr>{cells('td', row)}</tr>" for row in rows)
+    return f"<table class='{cls}'><tr>{cells('th', head)}</tr>{body}</table>"
+
+
+# Rows of cells that the HTML report and the terminal tables (tables.py) both show, each under its own headings.
+def stats_rows(group: dict) -> list[list[str]]:
+    return [[name, str(group[key]["n"]), *(fmt(group[key][c], scale) for c in STAT_COLUMNS)]
+            for key, name, scale in METRIC_ROWS if group.get(key)]
+
+
+def category_rows(by_category: dict) -> list[list[str]]:
+    rows = []
+    for cat, g in by_category.items():
+        speed, floor, ttft = g["output_tok_s"] or {}, g["window_floor_tok_s"] or {}, g["ttft_s"] or {}
+        rows.append([cat, str(g["requests"]), str(g["errors"]), fmt(speed.get("median")), fmt(speed.get("p5")),
+                     fmt(floor.get("p5")), fmt(ttft.get("median"), 1e3), fmt(ttft.get("p95"), 1e3)])
+    return rows
+
+
+def sweep_cells(r: dict) -> list[str]:
+    return [str(r["concurrency"]), fmt(r["per_user_tok_s"]), fmt(r.get("per_user_vs_first")),
+            fmt(r["per_user_floor_tok_s"]), throughput_cell(r), fmt(r.get("throughput_vs_first")),
+            fmt(r.get("busy_throughput_tok_s")), fmt(r["ttft_s"], 1e3), str(r["errors"])]
+
+
 def stats_table(group: dict) -> str:
-    head = "".join(f"<th>{c}</th>" for c in ["metric", "n", *STAT_COLUMNS])
-    body = ""
-    for key, name, scale in METRIC_ROWS:
-        st = group.get(key)
-        if st:
-            body += f"<tr><td>{name}</td><td>{st['n']}</td>" + "".join(
-                f"<td>{fmt(st[c], scale)}</td>" for c in STAT_COLUMNS) + "</tr>"
     extra = f"<p>throughput {fmt(group.get('throughput_tok_s'))} tok/s over {fmt(group.get('duration_s'))} s</p>"
-    return f"<table class='stats'><tr>{head}</tr>{body}</table>{extra}"
+    return html_table("stats", ["metric", "n", *STAT_COLUMNS], stats_rows(group)) + extra
 
 
 def category_table(by_category: dict) -> str:
-    head = ("<tr><th>category</th><th>requests</th><th>errors</th><th>median tok/s</th><th>P5 tok/s (floor)</th>"
-            "<th>window floor tok/s (P5)</th><th>median TTFT ms</th><th>P95 TTFT ms</th></tr>")
-    body = ""
-    for cat, g in by_category.items():
-        speed, floor, ttft = g["output_tok_s"] or {}, g["window_floor_tok_s"] or {}, g["ttft_s"] or {}
-        body += (f"<tr><td>{escape(cat)}</td><td>{g['requests']}</td><td>{g['errors']}</td>"
-                 f"<td>{fmt(speed.get('median'))}</td><td>{fmt(speed.get('p5'))}</td><td>{fmt(floor.get('p5'))}</td>"
-                 f"<td>{fmt(ttft.get('median'), 1e3)}</td><td>{fmt(ttft.get('p95'), 1e3)}</td></tr>")
-    return f"<table class='categories'>{head}{body}</table>"
+    return html_table("categories", ["category", "requests", "errors", "median tok/s", "P5 tok/s (floor)",
+                                     "window floor tok/s (P5)", "median TTFT ms", "P95 TTFT ms"],
+                      category_rows(by_category))
 
 
 def vs_first(rows: list[dict]) -> str:
@@ -102,35 +116,26 @@ def throughput_cell(row: dict) -> str:
 
 
 def sweep_table(rows: list[dict]) -> str:
-    head = (f"<tr><th>users</th><th>per-user tok/s (median)</th><th>{vs_first(rows)}</th><th>per-user floor (P5)</th>"
-            f"<th>total throughput tok/s</th><th>{vs_first(rows)}</th><th>while all users busy</th>"
-            "<th>median TTFT ms</th><th>errors</th></tr>")
-    body = "".join(f"<tr><td>{r['concurrency']}</td><td>{fmt(r['per_user_tok_s'])}</td>"
-                   f"<td>{fmt(r.get('per_user_vs_first'))}</td><td>{fmt(r['per_user_floor_tok_s'])}</td>"
-                   f"<td>{throughput_cell(r)}</td><td>{fmt(r.get('throughput_vs_first'))}</td>"
-                   f"<td>{fmt(r.get('busy_throughput_tok_s'))}</td>"
-                   f"<td>{fmt(r['ttft_s'], 1e3)}</td><td>{r['errors']}</td></tr>" for r in rows)
-    return f"<table class='sweep'>{head}{body}</table>"
+    return html_table("sweep", ["users", "per-user tok/s (median)", vs_first(rows), "per-user floor (P5)",
+                                "total throughput tok/s", vs_first(rows), "while all users busy", "median TTFT ms",
+                                "errors"], [sweep_cells(r) for r in rows])
 
 
 def compare_table(s: dict) -> str:
     c, arms = s["compare"], s.get("by_arm", {})
-    rows = "".join(f"<tr><td>{a}</td><td>{fmt((g['output_tok_s'] or {}).get('median'))}</td>"
-                   f"<td>{fmt((g['ttft_s'] or {}).get('median'), 1e3)}</td><td>{g['errors']}</td></tr>"
-                   for a, g in arms.items())
-    return (f"<table class='compare'><tr><th>arm</th><th>median tok/s</th><th>median TTFT ms</th><th>errors</th></tr>"
-            f"{rows}</table><p>B/A output speed, median of {c['pairs']} interleaved pairs: "
+    rows = [[a, fmt((g["output_tok_s"] or {}).get("median")), fmt((g["ttft_s"] or {}).get("median"), 1e3),
+             g["errors"]] for a, g in arms.items()]
+    return (html_table("compare", ["arm", "median tok/s", "median TTFT ms", "errors"], rows) +
+            f"<p>B/A output speed, median of {c['pairs']} interleaved pairs: "
             f"{fmt(c['speed_ratio_b_over_a'])} (P5 {fmt(c['speed_ratio_p5'])}, P95 {fmt(c['speed_ratio_p95'])}); "
             f"B/A TTFT {fmt(c['ttft_ratio_b_over_a'])}</p>")
 
 
 def cost_table(cost: dict) -> str:
-    rows = "".join(f"<tr><td>{escape(k)}</td><td>{usd(v)}</td></tr>"
-                   for k, v in cost["per_task_usd_by_category"].items())
+    rows = [[k, usd(v)] for k, v in cost["per_task_usd_by_category"].items()]
     return (f"<p>${cost['input_per_m']:g} / ${cost['output_per_m']:g} per million input / output tokens: "
             f"{usd(cost['per_request_usd'])} per request, {usd(cost['per_task_usd'])} per task, "
-            f"{usd(cost['total_usd'])} in all.</p>"
-            f"<table class='cost'><tr><th>category</th><th>$ per task</th></tr>{rows}</table>")
+            f"{usd(cost['total_usd'])} in all.</p>" + html_table("cost", ["category", "$ per task"], rows))
 
 
 def usd(x) -> str:

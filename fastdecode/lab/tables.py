@@ -5,7 +5,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fastdecode.lab.metrics import sweep_rows
-from fastdecode.lab.report import METRIC_ROWS, STAT_COLUMNS, fmt, throughput_cell, usd, vs_first
+from fastdecode.lab.report import STAT_COLUMNS, category_rows, fmt, stats_rows, sweep_cells, usd, vs_first
 
 
 def print_summary(console: Console, title: str, s: dict) -> None:
@@ -13,9 +13,8 @@ def print_summary(console: Console, title: str, s: dict) -> None:
     t = Table(title=title, title_justify="left")
     for c in ["metric", "n", *STAT_COLUMNS]:
         t.add_column(c, justify="left" if c == "metric" else "right")
-    for key, name, scale in METRIC_ROWS:
-        if o.get(key):
-            t.add_row(name, str(o[key]["n"]), *(fmt(o[key][c], scale) for c in STAT_COLUMNS))
+    for row in stats_rows(o):
+        t.add_row(*row)
     console.print(t)
     line = (f"{o['ok']} of {o['requests']} requests succeeded; throughput {fmt(o.get('throughput_tok_s'))} tok/s; "
             f"window floor over {s['window_tokens']} tokens")
@@ -29,10 +28,8 @@ def print_summary(console: Console, title: str, s: dict) -> None:
         for name in ["category", "requests", "errors", "median tok/s", "P5 tok/s", "window floor P5",
                      "median TTFT ms", "P95 TTFT ms"]:
             c.add_column(name, justify="left" if name == "category" else "right")
-        for cat, g in s["by_category"].items():
-            speed, floor, ttft = g["output_tok_s"] or {}, g["window_floor_tok_s"] or {}, g["ttft_s"] or {}
-            c.add_row(cat, str(g["requests"]), str(g["errors"]), fmt(speed.get("median")), fmt(speed.get("p5")),
-                      fmt(floor.get("p5")), fmt(ttft.get("median"), 1e3), fmt(ttft.get("p95"), 1e3))
+        for row in category_rows(s["by_category"]):
+            c.add_row(*row)
         console.print(c)
     rows = sweep_rows(s)
     if rows:
@@ -41,9 +38,7 @@ def print_summary(console: Console, title: str, s: dict) -> None:
                      "all busy tok/s", "median TTFT ms", "errors"]:
             w.add_column(name, justify="right")
         for r in rows:
-            w.add_row(str(r["concurrency"]), fmt(r["per_user_tok_s"]), fmt(r["per_user_vs_first"]),
-                      fmt(r["per_user_floor_tok_s"]), throughput_cell(r), fmt(r["throughput_vs_first"]),
-                      fmt(r.get("busy_throughput_tok_s")), fmt(r["ttft_s"], 1e3), str(r["errors"]))
+            w.add_row(*sweep_cells(r))
         console.print(w)
         if any(r.get("throughput_passes_tok_s") for r in rows):
             console.print("throughput: the median of the passes over the levels (their range)")

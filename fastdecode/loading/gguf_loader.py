@@ -6,7 +6,7 @@ import warnings
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from fastdecode.config import ModelConfig
@@ -112,15 +112,13 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, progress=None):
     return config, weights, freq_factors, f
 
 
-# Block types our int8/int4 modules hold value for value (bytes per block of 32 weights): Q8_0 is d (fp16) and 32
-# int8; Q4_0 is d and 16 bytes of nibbles, w = d * (q - 8); Q4_1 is d, m and the nibbles, w = d * q + m. A block's
-# byte j holds q[j] in its low nibble and q[j + 16] in its high one.
+# Block types our int8/int4 modules hold value for value (blocks of 32 weights): Q8_0 is d (fp16) and 32 int8; Q4_0
+# is d and 16 bytes of nibbles, w = d * (q - 8); Q4_1 is d, m and the nibbles, w = d * q + m. A block's byte j holds
+# q[j] in its low nibble and q[j + 16] in its high one.
 # Q5_0 is d, 4 bytes of fifth bits (bit j of the little-endian uint32: element j) and the nibbles, w = d * (q - 16);
 # Q5_1 adds m, w = d * q + m: int8 blocks hold both exactly.
-BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20,
-               GGMLQuantizationType.Q5_0: 22, GGMLQuantizationType.Q5_1: 24}
 # K-quants (super-blocks of 256 weights) go to KQuantLinear as the file's bytes, repacked there (quant/kquant.py).
-K_BLOCK_BYTES = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, GGMLQuantizationType.Q6_K: 210}
+K_QUANTS = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K}
 
 
 def file_view(a: np.ndarray) -> torch.Tensor:
@@ -136,18 +134,18 @@ def block_tensors(t, heads: int | None = None) -> dict[str, torch.Tensor]:
     "mins" too); Q4_0/Q4_1 -> {"blocks" (N, K/32, 16) uint8, the block's nibble bytes as they are, "scales", "mins"
     (N, K/32) fp16}; a K-quant -> {"blocks" (N, K/256, bytes) uint8}, its super-blocks as they are: what the quant
     modules' from_tensors take (fastdecode.quant), with no value rounded on the way; MXFP4 -> {"blocks" (N, K/32, 16),
-    "scales" (N, K/32) E8M0 bytes}. Q8_0/Q4_0/Q4_1/K-quant blocks and
+    "scales" (N, K/32) E8M0 bytes}, as Fp4Linear takes them. Q8_0/Q4_0/Q4_1/K-quant blocks and
     scales are strided views of the mapped file (Q4_0's mins excepted), so packing reads the file once and the
     tensor's pages must stay mapped until then. `heads` (permuted_heads) undoes llama.cpp's q/k row permutation: rows
     are whole blocks, so it moves bytes, not values (a copy)."""
     N, K = t.shape
     data = t.data if heads is None else unpermute_rows(np.asarray(t.data).reshape(N, -1), heads)
+    block, size = GGML_QUANT_SIZES[t.type]  # (weights, bytes) per block
+    raw = file_view(data).view(N, K // block, size)
     if t.type == GGMLQuantizationType.MXFP4:  # an E8M0 scale byte, then 16 bytes: Fp4Linear takes both as they are
-        raw = file_view(data).view(N, K // 32, 17)
         return {"blocks": raw[..., 1:], "scales": raw[..., 0]}
-    if t.type in K_BLOCK_BYTES:
-        return {"blocks": file_view(data).view(N, K // 256, K_BLOCK_BYTES[t.type])}
-    raw = file_view(data).view(N, K // 32, BLOCK_BYTES[t.type])
+    if t.type in K_QUANTS:
+        return {"blocks": raw}
     half = lambda lo: raw[..., lo:lo + 2].view(torch.float16)[..., 0]  # noqa: E731  (N, K/32)
     if t.type == GGMLQuantizationType.Q8_0:
         return {"qweight": raw[..., 2:].view(torch.int8), "scales": half(0)}

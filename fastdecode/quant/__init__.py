@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from fastdecode.quant.fp4 import BLOCK_SIZE, Fp4Linear
+from fastdecode.quant.fp4 import BLOCK_SIZE, Fp4Linear, quantize_fp4
 from fastdecode.quant.int4 import Int4Linear
 from fastdecode.quant.int8 import Int8Linear
 from fastdecode.quant.kquant import KINDS as K_QUANTS, KQuantLinear
@@ -38,13 +38,13 @@ def fits(scheme: str, out_features: int, in_features: int, group_size: int) -> b
 
 
 def encode_linear(w: torch.Tensor, scheme: str, group_size: int = 32, backend: str | None = None) -> dict:
-    """Float weight (N, K) -> the scheme's tensors (see each module's encode)."""
+    """Float weight (N, K) -> the scheme's tensors (see Int8Linear.encode, Int4Linear.encode, quantize_fp4)."""
     if scheme == "int8":
         return Int8Linear.encode(w, Int8Linear.resolve_backend(w.shape, backend))
     if scheme == "int4":
         return Int4Linear.encode(w, group_size)
     if scheme in BLOCK_SIZE:
-        return Fp4Linear.encode(w, scheme)
+        return quantize_fp4(w, scheme)
     raise ValueError(f"unknown quantization scheme {scheme!r}; known: {WEIGHT_SCHEMES}")
 
 
@@ -56,7 +56,7 @@ def build_linear(tensors: dict, scheme: str, bias: torch.Tensor | None, in_featu
         return Int4Linear.from_tensors(tensors, bias, group_size, backend, in_features)
     if scheme in K_QUANTS:  # a forced int backend ("aten", "lut": not the native kernel) means dequantizing
         return KQuantLinear(tensors["blocks"], scheme, bias, backend if backend in (None, "native") else "dequant")
-    return Fp4Linear.from_tensors(tensors, scheme, bias)
+    return Fp4Linear(scheme, tensors, bias)
 
 
 def quantize_linear(linear: nn.Linear, scheme: str, group_size: int = 32, backend: str | None = None) -> QuantLinear:

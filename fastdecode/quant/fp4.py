@@ -23,7 +23,6 @@ Fp4Linear keeps the codes and scales (4.25 / 4.5 bits a weight). Backends:
 No CPU has FP4 arithmetic: FP4 saves memory and bandwidth, not arithmetic.
 """
 import torch
-from torch import nn
 import torch.nn.functional as F
 
 from fastdecode import memory
@@ -189,22 +188,9 @@ class Fp4Linear(QuantLinear):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.table = scale_table(fmt, self.tensor_scale)  # not a buffer: derived, and not part of the weight bytes
 
-    @staticmethod
-    def encode(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
-        return quantize_fp4(w, fmt)
-
-    @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], fmt: str, bias: torch.Tensor | None = None,
-                     backend: str | None = None):
-        return cls(fmt, t, bias, backend)
-
     @classmethod
     def from_weight(cls, w: torch.Tensor, fmt: str, bias: torch.Tensor | None = None, backend: str | None = None):
         return cls(fmt, quantize_fp4(w, fmt), bias, backend)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt: str, backend: str | None = None):
-        return cls.from_weight(linear.weight, fmt, linear.bias, backend)
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(qweight (N, K/2) codes, element 2i in the low nibble, scales (N, K/block)), whatever the backend."""

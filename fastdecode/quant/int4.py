@@ -16,7 +16,6 @@ shorter last group: the weight is padded to whole groups by repeating its last c
 group's min and max alone) and each input is padded with zeros, which cancel the padded columns.
 """
 import torch
-from torch import nn
 import torch.nn.functional as F
 
 from fastdecode import memory
@@ -163,10 +162,6 @@ class Int4Linear(QuantLinear):
     def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32,
                     backend: str | None = None):
         return cls.from_tensors(cls.encode(w, group_size), bias, group_size, backend, w.shape[1])
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 32, backend: str | None = None):
-        return cls.from_weight(linear.weight, linear.bias, group_size, backend)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (n,) of the weight, dequantized: (n, in_features) float32, value for value what the stored

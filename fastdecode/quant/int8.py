@@ -18,7 +18,6 @@ values, fp16 d and m), or {"qweight", "scales"} per channel (int8 values, float3
 import logging
 
 import torch
-from torch import nn
 
 from fastdecode import memory
 from fastdecode.quant.kernels import native_ops
@@ -163,10 +162,6 @@ class Int8Linear(QuantLinear):
     def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None = None, backend: str | None = None):
         backend = cls.resolve_backend(w.shape, backend)
         return cls.from_tensors(cls.encode(w, backend), bias, backend)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, backend: str | None = None):
-        return cls.from_weight(linear.weight, linear.bias, backend)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (n,) of the native weight, dequantized: (n, in_features) float32, value for value what the

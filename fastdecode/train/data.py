@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,12 +33,6 @@ TOPICS = ["a city built on stilts", "a robot that learns to garden", "night-shif
           "the first day at a new job", "a library that lends tools", "a storm at sea", "saving money as a student",
           "a bakery run by twins", "mapping an unexplored cave", "a musician who lost her hearing",
           "keeping bees on a rooftop", "a message found in a bottle"]
-
-
-@dataclass
-class Sequence:
-    ids: list[int]
-    source: str
 
 
 def stdlib_functions(rng: random.Random, n: int) -> list[str]:

@@ -22,7 +22,7 @@ import transformers
 from gguf import GGMLQuantizationType as QType
 
 from fastdecode.kernels.openmp import torch_threads
-from fastdecode.quant import kquant_blocks as kquants
+from tests.helpers import kquant_blocks as kquants
 
 VOCAB_SIZE = 160
 # Added to every parameter after init: transformers initialises norms to ones (Gemma: zeros), which would hide

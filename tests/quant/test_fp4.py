@@ -8,7 +8,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from fastdecode.quant import Fp4Linear, fp4, quantize_model, weight_bytes
+from fastdecode.quant import Fp4Linear, fp4, quantize_linear, quantize_model, weight_bytes
 from fastdecode.quant.fp4 import (dequantize_fp4, e2m1_decode, e2m1_encode, e4m3_decode, e8m0_decode, quantize_fp4,
                                   quantize_mxfp4, quantize_nvfp4)
 from fastdecode.quant.linear import pack_nibbles as pack_codes, unpack_nibbles as unpack_codes
@@ -215,7 +215,7 @@ def test_batched_and_bfloat16_inputs(fmt):
 
 @pytest.mark.parametrize("fmt,scale_bytes", [("mxfp4", 32 * 64 // 32), ("nvfp4", 32 * 64 // 16)])
 def test_weight_bytes_are_four_bits_plus_one_byte_per_block(fmt, scale_bytes):
-    layer = Fp4Linear.from_linear(nn.Linear(64, 32, bias=True), fmt)
+    layer = quantize_linear(nn.Linear(64, 32, bias=True), fmt)
     assert layer.weight_bytes() == 32 * 64 // 2 + scale_bytes + 4 + 32 * 4  # codes, block scales, tensor scale, bias
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastdecode.quant import Int4Linear, Int8Linear, quantize_model, weight_bytes
+from fastdecode.quant import Int4Linear, Int8Linear, quantize_linear, quantize_model, weight_bytes
 from fastdecode.quant import int4
 from fastdecode.quant.int4 import dequantize_groupwise, native_fits, quantize_groupwise
 from fastdecode.quant.linear import lut_ops
@@ -86,7 +86,7 @@ def test_batched_and_bfloat16_inputs(backend):
 def test_native_weight_bytes_are_five_bits_a_weight_plus_float_bias():
     if not native_fits(32, 64, 32):
         pytest.skip("no AVX2 kernels")
-    layer = Int4Linear.from_linear(nn.Linear(64, 32, bias=True), group_size=32, backend="native")
+    layer = quantize_linear(nn.Linear(64, 32, bias=True), "int4", 32, "native")
     assert layer.bias.dtype == torch.float32
     assert layer.weight_bytes() == 32 * 64 // 2 + 32 * 2 * 2 * 2 + 32 * 4  # nibbles, fp16 scale and min per 32, bias
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastdecode.quant import Int8Linear, int8, quantize_model, weight_bytes
+from fastdecode.quant import Int8Linear, int8, quantize_linear, quantize_model, weight_bytes
 from fastdecode.quant.int8 import dequantize_blockwise, native_fits, quantize_blockwise, quantize_per_channel
 from tests.helpers.tiny import logits, tiny_model
 
@@ -141,7 +141,7 @@ def test_bfloat16_input_gives_bfloat16_output(backend):
 
 @pytest.mark.parametrize("backend,scale_bytes", [("aten", 32 * 4), pytest.param("native", 32 * 2 * 4, marks=NATIVE)])
 def test_bias_stays_float32_and_weight_bytes_count_int8_scales_and_offsets(backend, scale_bytes):
-    layer = Int8Linear.from_linear(nn.Linear(64, 32, bias=True), backend=backend)
+    layer = quantize_linear(nn.Linear(64, 32, bias=True), "int8", backend=backend)
     assert layer.bias.dtype == torch.float32
     assert layer.weight_bytes() == 32 * 64 + scale_bytes + 32 * 4  # int8 weight, its scales, float bias
 

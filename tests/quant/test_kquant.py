@@ -8,7 +8,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from fastdecode.quant import KQuantLinear, kquant
 from fastdecode.quant.kquant import FILE_BYTES, TILE_BYTES, native_fits
-from fastdecode.quant.kquant_blocks import quantize, random_blocks
+from tests.helpers.kquant_blocks import quantize, random_blocks
 
 KINDS = {"q4_k": QType.Q4_K, "q5_k": QType.Q5_K, "q6_k": QType.Q6_K}
 NATIVE = pytest.mark.skipif(not native_fits(4, 256), reason="no AVX2 kernels")
@@ -48,7 +48,7 @@ def test_native_packing_writes_the_bytes_of_the_pytorch_packing(monkeypatch, kin
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_test_writer_blocks_follow_the_weights(kind):
-    # The tiny K-quant GGUFs other tests load are written by fastdecode.quant.kquant_blocks: within a step of the weights.
+    # The tiny K-quant GGUFs other tests load are written by tests.helpers.kquant_blocks: within a step of the weights.
     w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05
     back = gguf_dequantize(quantize(w, KINDS[kind]), KINDS[kind]).reshape(w.shape)
     assert np.abs(back - w).max() < 0.1 * np.abs(w).max()
