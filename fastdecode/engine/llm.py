@@ -175,13 +175,6 @@ def kv_budget_tokens(config, dtype: torch.dtype, kv_cache_gb: float | None = Non
     return int((kv_cache_gb * 1e9) if kv_cache_gb else min(8 << 30, available_memory() // 4)) // per_token
 
 
-def default_kv_tokens(config, max_seq_len: int, max_batch: int, dtype: torch.dtype) -> int:
-    """KV-cache slots when none are asked for: room for max_batch full-length sequences within the budget, but never
-    less than one full-length sequence and a batch of prompts' ends."""
-    cap = kv_budget_tokens(config, dtype)
-    return max(min(max_batch * max_seq_len, cap), max_seq_len + max_batch * BLOCK_SIZE)
-
-
 @dataclass(frozen=True)
 class Context:
     """The context length a model runs with, and what set it: start-up banners print it."""
@@ -316,10 +309,12 @@ class LLM(Prompts):
         release_openmp_workers()  # loading ran here; from now on the engine's thread computes (kernels/openmp.py)
 
     def _kv_tokens(self, kv_cache_gb: float | None, max_batch: int, kv_dtype: torch.dtype) -> int:
-        """The engine's KV-cache slots: what --kv-cache-gb holds, else default_kv_tokens."""
+        """The engine's KV-cache slots: what --kv-cache-gb holds, else room for max_batch full-length sequences
+        within the budget, but never less than one full-length sequence and a batch of prompts' ends."""
+        budget = kv_budget_tokens(self.config, kv_dtype, kv_cache_gb)
         if kv_cache_gb:
-            return int(kv_cache_gb * 1e9) // KVCache.bytes_per_token(self.config, kv_dtype)
-        return default_kv_tokens(self.config, self.max_seq_len, max_batch, kv_dtype)
+            return budget
+        return max(min(max_batch * self.max_seq_len, budget), self.max_seq_len + max_batch * BLOCK_SIZE)
 
     def _runner(self, kv: KVCache, native: bool):
         """The engine's runner (tensor parallelism wraps it: parallel/llm.py)."""
