@@ -277,11 +277,9 @@ class Engine:
         table = BlockTable()
         self.kv.reserve(table, context + sizes[-1])
 
-        def forward(n: int, start: int = context):
-            batch = Batch(torch.tensor(probe_tokens(n, self.model.config.vocab_size)), torch.arange(start, start + n),
-                          torch.tensor(self.kv.slots(table, start, start + n)), torch.tensor([0, n]),
-                          torch.tensor([start]), torch.tensor([table.blocks]), self.kv.block_size,
-                          logit_rows=torch.arange(n))
+        def forward(n: int, start: int = context):  # every row's logits, as a verify step's
+            batch = self.kv.batch([(table, probe_tokens(n, self.model.config.vocab_size), start)])
+            batch = replace(batch, logit_rows=torch.arange(n))
             self.model.head(self.runner.forward(batch)[batch.logit_rows])
 
         try:

@@ -21,6 +21,7 @@ from fastdecode.engine.kv_cache import BLOCK_SIZE, KVCache
 from fastdecode.engine.kv_disk import DiskTier
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.engine.scheduler import SchedulerConfig
+from fastdecode.engine.sequence import Sequence
 from fastdecode.errors import InvalidRequestError
 from fastdecode.kernels.openmp import release_openmp_workers
 from fastdecode.loading import load_model, load_tokenizer, resolve_quant
@@ -89,6 +90,20 @@ class ChunkMaker:
                 return None
         return StreamChunk(delta, [token], logprobs)
 
+    def take(self, seq, kind: str, value) -> list[StreamChunk]:
+        """One event from seq's outbox ("tokens" or "error"; not "finished") -> its tokens' chunks, up to the end of
+        the output; raises the engine's exception."""
+        if kind == "error":
+            raise value
+        stats = seq.speculation.stats if seq.speculation is not None else None
+        chunks = []
+        for token in value:
+            if (chunk := self.add(token, seq.sampler, seq.timings, stats)) is not None:
+                chunks.append(chunk)
+            if self.done:
+                break
+        return chunks
+
     def last(self) -> StreamChunk:
         tail = "" if self.detok.stopped else self.detok.flush()
         logprobs = None
@@ -98,16 +113,6 @@ class ChunkMaker:
                                 self.timings or Timings(), self.stats.as_dict() if self.stats is not None else None,
                                 logprobs)
         return StreamChunk(tail, [], None, completion)
-
-
-def engine_tokens(seq, kind: str, value):
-    """One event from a sequence's outbox ("tokens" or "error"; not "finished") -> (token, sampler, timings, stats)
-    per token; raises the engine's exception."""
-    if kind == "error":
-        raise value
-    stats = seq.speculation.stats if seq.speculation is not None else None
-    for token in value:
-        yield token, seq.sampler, seq.timings, stats
 
 
 class EngineStream:
@@ -151,11 +156,7 @@ class EngineStream:
             self.on_prefill(len(seq.prompt_ids), len(seq.prompt_ids))
             self.on_prefill = None
         if kind != "finished":
-            for item in engine_tokens(seq, kind, value):
-                if (chunk := self.maker.add(*item)) is not None:
-                    self.ready.append(chunk)
-                if self.maker.done:
-                    break
+            self.ready.extend(self.maker.take(seq, kind, value))
         if kind == "finished" or self.maker.done:
             self.close()
             self.ready.append(self.maker.last())
@@ -172,13 +173,6 @@ def kv_budget_tokens(config, dtype: torch.dtype, kv_cache_gb: float | None = Non
     (at most 8 GiB). The cache's pages are made on first touch, so the budget costs nothing until it is used."""
     per_token = KVCache.bytes_per_token(config, dtype)
     return int((kv_cache_gb * 1e9) if kv_cache_gb else min(8 << 30, available_memory() // 4)) // per_token
-
-
-def default_kv_tokens(config, max_seq_len: int, max_batch: int, dtype: torch.dtype) -> int:
-    """KV-cache slots when none are asked for: room for max_batch full-length sequences within the budget, but never
-    less than one full-length sequence and a batch of prompts' ends."""
-    cap = kv_budget_tokens(config, dtype)
-    return max(min(max_batch * max_seq_len, cap), max_seq_len + max_batch * BLOCK_SIZE)
 
 
 @dataclass(frozen=True)
@@ -315,10 +309,12 @@ class LLM(Prompts):
         release_openmp_workers()  # loading ran here; from now on the engine's thread computes (kernels/openmp.py)
 
     def _kv_tokens(self, kv_cache_gb: float | None, max_batch: int, kv_dtype: torch.dtype) -> int:
-        """The engine's KV-cache slots: what --kv-cache-gb holds, else default_kv_tokens."""
+        """The engine's KV-cache slots: what --kv-cache-gb holds, else room for max_batch full-length sequences
+        within the budget, but never less than one full-length sequence and a batch of prompts' ends."""
+        budget = kv_budget_tokens(self.config, kv_dtype, kv_cache_gb)
         if kv_cache_gb:
-            return int(kv_cache_gb * 1e9) // KVCache.bytes_per_token(self.config, kv_dtype)
-        return default_kv_tokens(self.config, self.max_seq_len, max_batch, kv_dtype)
+            return budget
+        return max(min(max_batch * self.max_seq_len, budget), self.max_seq_len + max_batch * BLOCK_SIZE)
 
     def _runner(self, kv: KVCache, native: bool):
         """The engine's runner (tensor parallelism wraps it: parallel/llm.py)."""
@@ -362,21 +358,20 @@ class LLM(Prompts):
         setting `cancel` (from another thread), within CANCEL_POLL_S and the engine's step, even mid-prefill, when
         no chunk comes to close it after. `on_prefill(done, total)`: the prompt's tokens in the cache so far, at
         least every PROGRESS_POLL_S until the first token, then once with done == total (the batching engine only)."""
-        params, prompt_ids, stop_ids = self._admit(prompt, params)
-        seq = self.engine.add_request(prompt_ids, params, logits_processor, stop_ids, salt, tenant)
-        return self._chunks(self._engine_tokens(seq, cancel, on_prefill), prompt_ids, params, stop_ids)
+        return self._chunks(*self._submit(prompt, params, logits_processor, salt, tenant), cancel, on_prefill)
 
-    def _engine_tokens(self, seq, cancel: threading.Event | None = None, on_prefill=None):
-        """Yields (token, sampler, timings, stats) as the engine posts them; aborts the request if closed early or
-        cancelled."""
+    def _chunks(self, seq, maker: ChunkMaker, cancel: threading.Event | None = None,
+                on_prefill=None) -> Iterator[StreamChunk]:
+        """Yields the request's chunks as the engine posts its tokens, then the last one; aborts the request if
+        closed early or cancelled (the engine then frees its blocks)."""
         poll = CANCEL_POLL_S if cancel is not None else PROGRESS_POLL_S if on_prefill is not None else None
         try:
-            while True:
+            while not maker.done:
                 try:
                     kind, value = seq.outbox.get(timeout=poll)
                 except queue.Empty:
                     if cancel is not None and cancel.is_set():
-                        return
+                        break
                     if on_prefill is not None:
                         on_prefill(min(seq.num_computed, len(seq.prompt_ids)), len(seq.prompt_ids))
                     continue
@@ -384,11 +379,12 @@ class LLM(Prompts):
                     on_prefill(len(seq.prompt_ids), len(seq.prompt_ids))
                     on_prefill = None
                 if kind == "finished":
-                    return
-                yield from engine_tokens(seq, kind, value)
+                    break
+                yield from maker.take(seq, kind, value)
         finally:
             if not seq.finished:
                 self.engine.abort(seq)
+        yield maker.last()
 
     def astream(self, prompt: str | list[int], params: SamplingParams | None = None, logits_processor=None,
                 salt: str = "", tenant: str | None = "",
@@ -397,12 +393,12 @@ class LLM(Prompts):
         loop when it posts, and no thread waits on the request. Its close() (a client that left, a time limit) ends
         the request in the engine at its next step, even mid-prefill; so does cancelling the task that reads it.
         `session` (the conversation a client named) is for a cluster's router; one engine has nothing to route."""
-        params, prompt_ids, stop_ids = self._admit(prompt, params)
-        seq = self.engine.add_request(prompt_ids, params, logits_processor, stop_ids, salt, tenant)
-        return EngineStream(self.engine, seq, ChunkMaker(self.tokenizer, prompt_ids, params, stop_ids), on_prefill)
+        return EngineStream(self.engine, *self._submit(prompt, params, logits_processor, salt, tenant), on_prefill)
 
-    def _admit(self, prompt, params: SamplingParams | None) -> tuple[SamplingParams, list[int], set[int]]:
-        """-> the request's params, prompt ids and stop ids; InvalidRequestError if it cannot fit the context."""
+    def _submit(self, prompt, params: SamplingParams | None, logits_processor, salt: str,
+                tenant: str | None) -> tuple[Sequence, ChunkMaker]:
+        """Adds the request to the engine -> its sequence and the maker of its chunks; InvalidRequestError if it
+        cannot fit the context."""
         params = params or SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
@@ -410,19 +406,8 @@ class LLM(Prompts):
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
                 f"of {self.max_seq_len} tokens {self.context_hint()}")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
-        return params, prompt_ids, stop_ids
-
-    def _chunks(self, tokens, prompt_ids, params, stop_ids) -> Iterator[StreamChunk]:
-        maker = ChunkMaker(self.tokenizer, prompt_ids, params, stop_ids)
-        try:
-            for item in tokens:
-                if (chunk := maker.add(*item)) is not None:
-                    yield chunk
-                if maker.done:
-                    break
-        finally:
-            tokens.close()  # ends the request: the engine frees its blocks
-        yield maker.last()
+        seq = self.engine.add_request(prompt_ids, params, logits_processor, stop_ids, salt, tenant)
+        return seq, ChunkMaker(self.tokenizer, prompt_ids, params, stop_ids)
 
     def generate(self, prompts: str | list[int] | list[str], params: SamplingParams | None = None):
         """One prompt (text or token ids) -> Completion; a list of text prompts -> list of Completion (submitted

@@ -10,16 +10,13 @@ from fastdecode.layers.rotary import apply_rotary
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
            sinks: torch.Tensor | None) -> torch.Tensor:
-    """Scaled dot-product attention of q (B, heads, T, hd) over k, v (B, kv_heads, S, hd) (or all without B); mask
-    (T, S) bool or None (all visible). `sinks` (heads,): gpt-oss's learned logits that join each softmax's denominator
-    and attend to nothing."""
-    if sinks is None:
-        gqa = k.shape[-3] != q.shape[-3]
-        if q.dim() == 3:  # (heads, T, hd), the paged path's: the CPU flash kernel takes only 4-D inputs, and 3-D ones
-            # fell back to the math kernel, 3x slower (a 128-row chunk over 1.8k keys: 45 ms against 14)
-            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                                  enable_gqa=gqa)[0]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    """Scaled dot-product attention of q (heads, T, hd) over k, v (kv_heads, S, hd) (the sink forms also take a
+    leading B); mask (T, S) bool or None (all visible). `sinks` (heads,): gpt-oss's learned logits that join each
+    softmax's denominator and attend to nothing."""
+    if sinks is None:  # the CPU flash kernel takes only 4-D inputs, and 3-D ones fell back to the math kernel, 3x
+        # slower (a 128-row chunk over 1.8k keys: 45 ms against 14)
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=k.shape[-3] != q.shape[-3])[0]
     bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
     return (sink_attention_lse if q.device.type == "cpu" else sink_attention_key)(q, k, v, bias, scale, sinks)
 

@@ -64,10 +64,7 @@ class Block(nn.Module):
                 v_cache: torch.Tensor) -> torch.Tensor:
         """The rows x (R, D) of a batch over a paged cache (Attention.forward) -> the residual stream after the
         block."""
-        return self.after_attention(x, self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache))
-
-    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The residual stream after the attention output `attn`: residual adds, norms and the MLP."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -118,31 +115,26 @@ class Transformer(nn.Module):
                            for _ in "kv")
 
     # ---- forward -----------------------------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, start: int, all_logits: bool = False, **tree) -> torch.Tensor:
-        """tokens (B, T) at positions start..start+T-1 -> logits (B, T, vocab) or, by default, (B, 1, vocab).
-        `tree` passes positions/tree_mask/layers on to hidden()."""
-        x = self.hidden(tokens, start, **tree)
+    def forward(self, tokens: torch.Tensor, start: int, all_logits: bool = False) -> torch.Tensor:
+        """tokens (B, T) at positions start..start+T-1 -> logits (B, T, vocab) or, by default, (B, 1, vocab)."""
+        x = self.hidden(tokens, start)
         return self.head(x if all_logits else x[:, -1:])
 
-    def hidden(self, tokens: torch.Tensor, start: int, positions: torch.Tensor | None = None,
-               tree_mask: torch.Tensor | None = None, layers: int | None = None) -> torch.Tensor:
-        """tokens (B, T) written to cache slots start..start+T-1 -> final hidden states (B, T, D), before the final
-        norm. By default the tokens are a chain at positions start..; a token tree being verified gives each token's
-        `positions` (T,) and `tree_mask` (T, T) bool (token t sees token j iff j is t or an ancestor of t).
-        `layers` runs only the first that many layers. The same layers as the PyTorch runner's, over this model's
-        reference cache."""
+    def hidden(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """tokens (B, T), a chain at positions start..start+T-1 written to those cache slots -> final hidden states
+        (B, T, D), before the final norm. The same layers as the PyTorch runner's, over this model's reference
+        cache."""
         B, T = tokens.shape
         if start + T > self.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds the cache of {self.max_seq_len}")
         if self.cache is None or self.cache[0][0].shape[1] != B * self.max_seq_len:
             self.setup_cache(self.max_seq_len, batch=B)  # the engine's model: its reference cache on first use
-        q_pos = torch.arange(start, start + T) if positions is None else positions
+        positions = torch.arange(start, start + T)
         rows = torch.arange(B)
-        slots = (rows[:, None] * self.max_seq_len + torch.arange(start, start + T)).reshape(-1)
-        mask = None if tree_mask is None else torch.block_diag(*[tree_mask] * B)
-        batch = Batch(tokens.reshape(-1), q_pos.repeat(B), slots, torch.arange(B + 1) * T, torch.full((B,), start),
-                      rows[:, None], self.max_seq_len, mask)
-        x = self.run_layers(self.embed(batch.tokens), batch, *self.cache, 0, len(self.layers[:layers]))
+        slots = (rows[:, None] * self.max_seq_len + positions).reshape(-1)
+        batch = Batch(tokens.reshape(-1), positions.repeat(B), slots, torch.arange(B + 1) * T, torch.full((B,), start),
+                      rows[:, None], self.max_seq_len)
+        x = self.run_layers(self.embed(batch.tokens), batch, *self.cache, 0, len(self.layers))
         return x.view(B, T, -1)
 
     def run_layers(self, x: torch.Tensor, batch: Batch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],

@@ -59,12 +59,6 @@ class ParallelLLM(LLM):
         if lead:
             self.leader.keep_alive(group.timeout_s / 2)
 
-    def _join_group(self):
-        """The model's collectives (after any quantization), and on rank 0 the Leader that commands the others."""
-        install_collectives(self.model, self.group.comm)
-        if self.leads:
-            self.leader = Leader(self.group, self.on_failure)
-
     def _kv_tokens(self, kv_cache_gb, max_batch, kv_dtype) -> int:
         """Rank 0 hands out blocks for every rank's cache: each must hold as many (an uneven split of the KV heads
         gives the ranks different bytes per token)."""
@@ -73,11 +67,15 @@ class ParallelLLM(LLM):
         return int(tokens)
 
     def _runner(self, kv, native):
-        """The runner of one process over this rank's shard, the native step's layers summed across the ranks by
-        `reduce`; on rank 0 wrapped to send each step to the others."""
-        self._join_group()
+        """The runner of one process over this rank's shard (its collectives installed after any quantization), the
+        native step's layers summed across the ranks by `reduce`; on rank 0 wrapped to send each step to the others
+        through the Leader that commands them."""
+        install_collectives(self.model, self.group.comm)
         runner = build_runner(self.model, kv, native, reduce=self.model.all_reduce)
-        return ParallelRunner(runner, self.leader) if self.leads else runner
+        if not self.leads:
+            return runner
+        self.leader = Leader(self.group, self.on_failure)
+        return ParallelRunner(runner, self.leader)
 
     @property
     def leads(self) -> bool:

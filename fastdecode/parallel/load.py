@@ -22,7 +22,7 @@ from fastdecode.config import ModelConfig
 from fastdecode.errors import ModelFileError, UnsupportedModelError
 from fastdecode.loading.build import skip_init
 from fastdecode.loading.gguf_file import GGUFFile, GGUFTensor
-from fastdecode.loading.gguf_loader import dequantize_tensor, hf_name, unpermute_rows
+from fastdecode.loading.gguf_loader import dequantize_tensor, float_tensor as gguf_float, gguf_config, hf_name
 from fastdecode.loading.gguf_native import load_gguf_native
 from fastdecode.loading.hf_loader import PREFIXES, read_config
 from fastdecode.models import model_class
@@ -41,9 +41,7 @@ def checkpoint_config(path: Path) -> tuple[ModelConfig, GGUFFile | None]:
         return read_config(path), None
     if path.is_file():
         f = GGUFFile(path)
-        config = ModelConfig.from_gguf(f.metadata)
-        config.tie_word_embeddings = "output.weight" not in f.tensors
-        return config, f
+        return gguf_config(f), f
     raise ModelFileError(f"model path {path} does not exist")
 
 
@@ -59,16 +57,13 @@ def load_shard(path, rank: int, world: int, dtype: torch.dtype = torch.float32, 
             raise UnsupportedModelError(f"--quant gguf keeps a GGUF file's own quantized weights; {path} is not a "
                                         "GGUF file")
         return load_gguf_native(path, dtype, progress, shard=GGUFShard(plan))
-    if f is None:
-        reader = lambda plan: safetensors_shard(path, plan, progress)  # noqa: E731
-    else:
-        reader = lambda plan: gguf_shard(f, config, plan, progress)  # noqa: E731
     with skip_init(dtype), torch.device("meta"):
         model = model_class(config.family)(config)
-    shard_model(model, plan)
+    shard_model(model, plan)  # model.config is now the shard's: its heads, as gguf_shard unpermutes them
     model.to_empty(device="cpu")
     weights, freq_factors = {}, None
-    for name, tensor in reader(plan):
+    tensors = safetensors_shard(path, plan, progress) if f is None else gguf_shard(f, model.config, plan, progress)
+    for name, tensor in tensors:
         if name == "rope_freqs.weight":
             freq_factors = tensor
             continue
@@ -150,7 +145,9 @@ class GGUFShard:
 
 
 def gguf_shard(f: GGUFFile, config: ModelConfig, plan: ShardPlan, progress=None):
-    """The transformations of fastdecode.loading.gguf_loader.load_gguf, applied to this rank's slices."""
+    """The float weights of fastdecode.loading.gguf_loader.load_gguf, for this rank's slices. config: the shard's
+    (shard_model's), whose head counts unpermute the q/k rows: llama.cpp permutes them within each head, so a slice
+    of whole heads unpermutes on its own."""
     tensors = list(f.tensors.values())
     for t in progress(tensors) if progress is not None else tensors:
         if t.name == "rope_freqs.weight":
@@ -160,12 +157,5 @@ def gguf_shard(f: GGUFFile, config: ModelConfig, plan: ShardPlan, progress=None)
         if name is None:
             continue
         cut = plan.slice_of(name)
-        w = dequantize_tensor(t if cut is None else block_slice(t, *cut))
-        # llama.cpp permutes q/k rows within each head, so a slice of whole heads unpermutes on its own.
-        if config.family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_rows(w, plan.heads[1] - plan.heads[0])
-        elif config.family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_rows(w, plan.kv_heads[1] - plan.kv_heads[0])
-        if config.family == "gemma3" and name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp stores Gemma norms as (1 + w)
-        yield name, _cut(plan, name, torch.from_numpy(np.array(w, dtype=np.float32)))
+        w = gguf_float(t if cut is None else block_slice(t, *cut), name, config)
+        yield name, _cut(plan, name, torch.from_numpy(w))

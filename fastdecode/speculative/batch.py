@@ -68,11 +68,10 @@ class BatchSpeculator:
     plain_rate: float = 0.0  # a sequence's tokens per second this step without drafting (what a model drafter must beat)
 
     @classmethod
-    def build(cls, spec: str, cost: CostModel, llm=None, max_nodes: int = 24,
-              adaptive: bool = True) -> "BatchSpeculator":
+    def build(cls, spec: str, cost: CostModel, llm=None) -> "BatchSpeculator":
         """llm: the target (its model, engine runner and cache), for drafters that run a model."""
         check_speculate(spec)
-        policy = Policy(cost, max_nodes, adaptive)
+        policy = Policy(cost)
         if spec in MODEL_FREE:
             return cls(spec, MODEL_FREE[spec], policy)
         if spec == "layerskip":

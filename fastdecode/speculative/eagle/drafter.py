@@ -165,14 +165,10 @@ class EagleDrafter(FeatureDrafter):
                     scores.append(scores[i] * pr)
                     depths.append(d + 1)
                     hidden.append(out[row])
-        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i]))[:budget])
-        index = {old: new for new, old in enumerate(keep)}
-        draft = Draft(drafter=self.name)
-        for i in keep:
-            if parents[i] >= 0 and parents[i] not in index:
-                continue  # a tie cut the parent: drop the orphan (it cannot be verified without its prefix)
-            draft.add(tokens[i], index[parents[i]] if parents[i] >= 0 else -1, scores[i])
-        return draft or None
+        # A child never scores above its parent (a product of probabilities), and a tie goes to the shallower node:
+        # the kept nodes are a tree.
+        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i]))[:budget]
+        return Draft(tokens, parents, scores, drafter=self.name).subset(keep) or None
 
 
 class MTPDrafter(FeatureDrafter):
