@@ -390,33 +390,29 @@ void q6_rows_t(const Call& c, const int8_t* xk, const int32_t* corr, const float
 }
 #endif
 
-struct Q6K {
-  template <int MR, int NR> static void run(const Call& c, int r0) { q6_rows<MR, NR>(c, r0); }
-};
-
-template <class F, int MR>
-void call(const Call& c) {
-  if (MR <= 2) return F::template run<MR, 4>(c, 0);
-  for (int r = 0; r < 4; ++r) F::template run<MR, 1>(c, r);
+// MR rows against the tile: all 4 weight rows in one pass for one or two rows, else one weight row at a time.
+template <int MR>
+void q6_call(const Call& c) {
+  if (MR <= 2) return q6_rows<MR, 4>(c, 0);
+  for (int r = 0; r < 4; ++r) q6_rows<MR, 1>(c, r);
 }
 
 // All M rows against one Q6_K tile, in calls of up to 8 rows of about equal size.
-template <class F>
-void tile(Call c, int64_t M) {
+void q6_tile(Call c, int64_t M) {
   const int64_t calls = (M + 7) / 8;
   for (int64_t k = 0, m = 0; k < calls; ++k) {
     const int64_t rows = (M - m) / (calls - k);
     Call part = c;
     part.xq += m * c.K, part.xs += m * c.xs_row, part.y += m * c.N;
     switch (rows) {
-      case 1: call<F, 1>(part); break;
-      case 2: call<F, 2>(part); break;
-      case 3: call<F, 3>(part); break;
-      case 4: call<F, 4>(part); break;
-      case 5: call<F, 5>(part); break;
-      case 6: call<F, 6>(part); break;
-      case 7: call<F, 7>(part); break;
-      default: call<F, 8>(part); break;
+      case 1: q6_call<1>(part); break;
+      case 2: q6_call<2>(part); break;
+      case 3: q6_call<3>(part); break;
+      case 4: q6_call<4>(part); break;
+      case 5: q6_call<5>(part); break;
+      case 6: q6_call<6>(part); break;
+      case 7: q6_call<7>(part); break;
+      default: q6_call<8>(part); break;
     }
     m += rows;
   }
@@ -493,7 +489,7 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
 #endif
         Call rest = c;
         rest.xq += grouped * K, rest.xs += grouped * xs_row, rest.y += grouped * N;
-        if (M > grouped) tile<Q6K>(rest, M - grouped);
+        if (M > grouped) q6_tile(rest, M - grouped);
       }
       if (B)
         for (int64_t m = 0; m < M; ++m)
