@@ -38,6 +38,7 @@ constexpr int64_t FP4_PAIR = 8 + 4 * 32;  // a tile's bytes per pair of blocks: 
 using fastdecode::block_sums;
 using fastdecode::pair_dot;
 using fastdecode::prefetch_stream;
+using fastdecode::store_pass;
 
 // The pair's 8 scales 2^(e - 128) in (block, row) lanes, as block_sums lays out a pair's sums: e << 23 is the float
 // 2^(e - 127) (e = 0: 0, in place of 2^-127), halved exactly.
@@ -78,11 +79,7 @@ void fp4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, co
                                acc[m]);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float a[8];
-    _mm256_store_ps(a, acc[m]);
-    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = a[r] + a[r + 4];
-  }
+  store_pass<MR>(acc, nullptr, N, t, y);
 }
 
 }  // namespace

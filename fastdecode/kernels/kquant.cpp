@@ -43,6 +43,7 @@ using fastdecode::prefetch;
 using fastdecode::prefetch_stream;
 using fastdecode::prefetch_stream_l1;
 using fastdecode::row_scales;
+using fastdecode::store_pass;
 #ifdef __AVX512F__
 using fastdecode::chunk_rows;
 using fastdecode::nibble_quads;
@@ -148,11 +149,7 @@ void kq_pass(const Call& c) {
       }
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float a[8];
-    _mm256_store_ps(a, acc[m]);
-    for (int r = 0; r < 4; ++r) c.y[m * c.N + 4 * c.t + r] = a[r] + a[r + 4];
-  }
+  store_pass<MR>(acc, nullptr, c.N, c.t, c.y);
   kq_mins<MR, Q5>(c);
 }
 

@@ -49,6 +49,7 @@ using fastdecode::prefetch;
 using fastdecode::prefetch_stream;
 using fastdecode::quantize_rows_grouped;
 using fastdecode::row_scales;
+using fastdecode::store_pass;
 using fastdecode::vecf;
 using fastdecode::vfma;
 using fastdecode::vload;
@@ -141,12 +142,7 @@ void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_loadu_ps(s)), acc[m]);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float a[8], mn[8];
-    _mm256_store_ps(a, acc[m]);
-    _mm256_store_ps(mn, acc_min[m]);
-    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = a[r] + a[r + 4] + mn[2 * r] + mn[2 * r + 1];
-  }
+  store_pass<MR>(acc, acc_min, N, t, y);
 }
 
 #ifdef __AVX512F__
@@ -375,11 +371,7 @@ void q8_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, con
                                acc[m]);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float a[8];
-    _mm256_store_ps(a, acc[m]);
-    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = a[r] + a[r + 4];
-  }
+  store_pass<MR>(acc, nullptr, N, t, y);
 }
 
 #ifdef __AVX512F__

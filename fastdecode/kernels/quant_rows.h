@@ -232,6 +232,19 @@ inline __m256i offset32_dot(__m256i u, __m256i x) {
 #endif
 }
 
+// A pass's accumulators, lanes (parity, weight row) as block_sums gives them, and (mins, if given) the mins' chains
+// in (weight row, parity) lanes -> y[m][4 t + r] = (E + O) (+ ME + MO).
+template <int MR>
+inline void store_pass(const __m256* acc, const __m256* mins, int64_t N, int64_t t, float* y) {
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float a[8], mn[8];
+    _mm256_store_ps(a, acc[m]);
+    if (mins) _mm256_store_ps(mn, mins[m]);
+    for (int r = 0; r < 4; ++r)
+      y[m * N + 4 * t + r] = mins ? a[r] + a[r + 4] + mn[2 * r] + mn[2 * r + 1] : a[r] + a[r + 4];
+  }
+}
+
 // The per-block sums of four pair_dot results (8 int32 lanes each: 4 partial sums of block b, 4 of block b + 1):
 // lanes [s0 b, s1 b, s2 b, s3 b | s0 b+1, s1 b+1, s2 b+1, s3 b+1].
 inline __m256i block_sums(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
