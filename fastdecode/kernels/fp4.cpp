@@ -124,24 +124,11 @@ void fp4_pack(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales)
   const int64_t N = codes.size(0), blocks = codes.size(1);
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kByte && scales.size(0) == N &&
               scales.size(1) == blocks, "fp4_pack: scales must be uint8 (N, K/32)");
-  TORCH_CHECK(N % 4 == 0 && blocks % 2 == 0 && out.is_contiguous() && out.scalar_type() == at::kByte &&
-              out.dim() == 3 && out.size(0) == N / 4 && out.size(1) == blocks / 2 && out.size(2) == FP4_PAIR,
-              "fp4_pack: bad output");
   const uint8_t* q = codes.data_ptr<uint8_t>();
   const uint8_t* e = scales.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t pairs = blocks / 2;
-  at::parallel_for(0, N / 4 * pairs, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / pairs, p = i % pairs;
-      uint8_t* o = dst + i * FP4_PAIR;
-      for (int r = 0; r < 4; ++r)
-        for (int b = 0; b < 2; ++b) {
-          const int64_t row = 4 * t + r, block = 2 * p + b;
-          o[2 * r + b] = e[row * scales.stride(0) + block * scales.stride(1)];
-          std::memcpy(o + 8 + 32 * r + 16 * b, q + row * codes.stride(0) + block * codes.stride(1), 16);
-        }
-    }
+  pack_pairs(out, N, blocks, FP4_PAIR, "fp4_pack", [&](uint8_t* o, int r, int b, int64_t row, int64_t block) {
+    o[2 * r + b] = e[row * scales.stride(0) + block * scales.stride(1)];
+    std::memcpy(o + 8 + 32 * r + 16 * b, q + row * codes.stride(0) + block * codes.stride(1), 16);
   });
 }
 

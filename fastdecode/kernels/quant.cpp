@@ -559,26 +559,13 @@ void q4_pack(at::Tensor out, const at::Tensor& qs, const at::Tensor& scales, con
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kHalf && t->size(0) == N && t->size(1) == blocks,
                 "q4_pack: scales and mins must be fp16 (N, K/32)");
-  TORCH_CHECK(N % 4 == 0 && blocks % 2 == 0 && out.is_contiguous() && out.scalar_type() == at::kByte &&
-              out.dim() == 3 && out.size(0) == N / 4 && out.size(1) == blocks / 2 && out.size(2) == 160,
-              "q4_pack: bad output");
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const auto* d = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   const auto* m = reinterpret_cast<const uint16_t*>(mins.data_ptr());
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t pairs = blocks / 2;
-  at::parallel_for(0, N / 4 * pairs, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / pairs, p = i % pairs;
-      uint8_t* o = dst + i * 160;
-      for (int r = 0; r < 4; ++r)
-        for (int b = 0; b < 2; ++b) {
-          const int64_t row = 4 * t + r, block = 2 * p + b;
-          std::memcpy(o + 4 * r + 2 * b, d + row * scales.stride(0) + block * scales.stride(1), 2);  // (row, block)
-          std::memcpy(o + 16 + 4 * r + 2 * b, m + row * mins.stride(0) + block * mins.stride(1), 2);
-          std::memcpy(o + 32 + 32 * r + 16 * b, q + row * qs.stride(0) + block * qs.stride(1), 16);
-        }
-    }
+  fastdecode::pack_pairs(out, N, blocks, 160, "q4_pack", [&](uint8_t* o, int r, int b, int64_t row, int64_t block) {
+    std::memcpy(o + 4 * r + 2 * b, d + row * scales.stride(0) + block * scales.stride(1), 2);  // (row, block)
+    std::memcpy(o + 16 + 4 * r + 2 * b, m + row * mins.stride(0) + block * mins.stride(1), 2);
+    std::memcpy(o + 32 + 32 * r + 16 * b, q + row * qs.stride(0) + block * qs.stride(1), 16);
   });
 }
 
@@ -590,26 +577,13 @@ void q8_pack(at::Tensor out, const at::Tensor& q, const at::Tensor& scales) {
   const int64_t N = q.size(0), blocks = q.size(1);
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.size(0) == N &&
               scales.size(1) == blocks, "q8_pack: scales must be fp16 (N, K/32)");
-  TORCH_CHECK(N % 4 == 0 && blocks % 2 == 0 && out.is_contiguous() && out.scalar_type() == at::kByte &&
-              out.dim() == 3 && out.size(0) == N / 4 && out.size(1) == blocks / 2 && out.size(2) == Q8_PAIR,
-              "q8_pack: bad output");
   const int8_t* v = q.data_ptr<int8_t>();
   const auto* d = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t pairs = blocks / 2;
-  at::parallel_for(0, N / 4 * pairs, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / pairs, p = i % pairs;
-      uint8_t* o = dst + i * Q8_PAIR;
-      for (int r = 0; r < 4; ++r)
-        for (int b = 0; b < 2; ++b) {
-          const int64_t row = 4 * t + r, block = 2 * p + b;
-          std::memcpy(o + 4 * r + 2 * b, d + row * scales.stride(0) + block * scales.stride(1), 2);  // (row, block)
-          const int8_t* src = v + row * q.stride(0) + block * q.stride(1);
-          std::memcpy(o + 16 + 64 * r + 16 * b, src, 16);  // elements 0..15 of b, then (below) 16..31
-          std::memcpy(o + 16 + 64 * r + 32 + 16 * b, src + 16, 16);
-        }
-    }
+  fastdecode::pack_pairs(out, N, blocks, Q8_PAIR, "q8_pack", [&](uint8_t* o, int r, int b, int64_t row, int64_t block) {
+    std::memcpy(o + 4 * r + 2 * b, d + row * scales.stride(0) + block * scales.stride(1), 2);  // (row, block)
+    const int8_t* src = v + row * q.stride(0) + block * q.stride(1);
+    std::memcpy(o + 16 + 64 * r + 16 * b, src, 16);  // elements 0..15 of b, then (below) 16..31
+    std::memcpy(o + 16 + 64 * r + 32 + 16 * b, src + 16, 16);
   });
 }
 

@@ -3,6 +3,7 @@
 // times activation sums are exact integers and only the per-block scaling is float.
 #pragma once
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -310,6 +311,25 @@ void pair_tiles_linear(const float* X, int64_t M, int64_t K, const uint8_t* W, i
       if (B)
         for (int64_t i = 0; i < M; ++i)
           for (int r = 0; r < 4; ++r) Y[i * N + 4 * t + r] += B[4 * t + r];
+    }
+  });
+}
+
+// The pair-tile formats' packing (int4, Q8_0, MXFP4): `out` (N/4, blocks/2, tile_bytes) checked, then per tile of 4
+// weight rows and pair of blocks, put(o, r, b, row, block) for each of its rows r and the pair's blocks b, o the
+// pair's bytes in out, (row, block) the source's. The bytes move, no value changes.
+template <typename Put>
+void pack_pairs(const at::Tensor& out, int64_t N, int64_t blocks, int64_t tile_bytes, const char* name, Put put) {
+  TORCH_CHECK(N % 4 == 0 && blocks % 2 == 0 && out.is_contiguous() && out.scalar_type() == at::kByte &&
+              out.dim() == 3 && out.size(0) == N / 4 && out.size(1) == blocks / 2 && out.size(2) == tile_bytes,
+              name, ": bad output");
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t pairs = blocks / 2;
+  at::parallel_for(0, N / 4 * pairs, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / pairs, p = i % pairs;
+      for (int r = 0; r < 4; ++r)
+        for (int b = 0; b < 2; ++b) put(dst + i * tile_bytes, r, b, 4 * t + r, 2 * p + b);
     }
   });
 }
