@@ -25,16 +25,8 @@
 #include "quant_rows.h"
 #include "simd.h"
 
-namespace fastdecode {
-at::Tensor as_rows(const at::Tensor& x, int64_t K);
-const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N);
-}  // namespace fastdecode
-
 namespace {
 
-using fastdecode::AmxFormat;
-using fastdecode::amx_linear;
-using fastdecode::tiled_min_rows;
 using fastdecode::block_sums;
 using fastdecode::hsum;
 using fastdecode::offset32_dot;
@@ -419,37 +411,17 @@ void q6_tile(Call c, int64_t M) {
 
 namespace fastdecode {
 
-// w (N/4, K/256, 592 | 720 | 840) uint8: Q4_K, Q5_K or Q6_K by its tile size. The rows of x are quantized to int8
-// per block of 32 (in pair order for Q4_K/Q5_K, element order for Q6_K), then every tile of 4 output rows takes all
-// of them, tiles spread over the threads; over AMX_MIN_ROWS rows or more, on a CPU with AMX, on AMX tiles (the same
-// results, amx.cpp) for the blocks of 32 output rows.
-at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte &&
-              (w.size(2) == Q4K_BYTES || w.size(2) == Q5K_BYTES || w.size(2) == Q6K_BYTES), "bad K-quant weight");
-  const int64_t N = w.size(0) * 4, K = w.size(1) * QK_K, bytes = w.size(2);
-  const at::Tensor x2d = as_rows(x, K);
-  const float* B = bias_of(bias, N);
-  const int64_t M = x2d.size(0);
-  const float* X = x2d.data_ptr<float>();
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x2d.options());
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  float* Y = y.data_ptr<float>();
-  const int64_t tile_bytes = K / QK_K * bytes;
+// The tiles from t_first, Q4_K, Q5_K or Q6_K by their size: the rows of x are quantized to int8 per block of 32 (in
+// pair order for Q4_K/Q5_K, element order for Q6_K), then every tile of 4 output rows takes all of them, tiles spread
+// over the threads.
+void kq_tiles(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes, int64_t t_first, int64_t N,
+              const float* B, float* Y) {
+  const int64_t bytes = tile_bytes / (K / QK_K);
   const bool q6 = bytes == Q6K_BYTES;
-
-  const AmxFormat f = bytes == Q4K_BYTES ? AmxFormat::Q4K : bytes == Q5K_BYTES ? AmxFormat::Q5K : AmxFormat::Q6K;
-  const int64_t amx_cols = M >= tiled_min_rows(f) ? N / 32 * 32 : 0;
-  if (amx_cols > 0) {
-    amx_linear(f, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
-    if (amx_cols == N) return y;
-  }
-
   const int64_t xs_row = q6 ? K / 32 : K / 64 * 16;
-  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar));
-  const at::Tensor xs = at::empty({M, xs_row}, x2d.options());
-  const at::Tensor xt = at::empty({q6 ? 0 : M / 4, K / 64, 8}, x2d.options());
+  const at::Tensor xq = at::empty({M, K}, at::kChar);
+  const at::Tensor xs = at::empty({M, xs_row}, at::kFloat);
+  const at::Tensor xt = at::empty({q6 ? 0 : M / 4, K / 64, 8}, at::kFloat);
   if (q6) quantize_rows_plain(X, M * K / 32, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
   else quantize_rows_grouped(X, M, K, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xt.data_ptr<float>());
   // The groups of 8 rows an AVX-512 build takes with kq_rows_t or q6_rows_t, their rows rearranged.
@@ -470,7 +442,7 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   }
 #endif
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
-  at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(t_first, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       if (M > 2 && t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);  // else one pass streams it
       const Call c{W + t * tile_bytes, K / QK_K, K, N, t, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xs_row, Y};
@@ -493,7 +465,16 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
           for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] += B[4 * t + r];
     }
   });
-  return y;
+}
+
+// w (N/4, K/256, 592 | 720 | 840) uint8: Q4_K, Q5_K or Q6_K by its tile size; over AMX_MIN_ROWS rows or more, on a CPU
+// with AMX, the AMX tiles take the blocks of 32 output rows (the same results, amx.cpp).
+at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte &&
+              (w.size(2) == Q4K_BYTES || w.size(2) == Q5K_BYTES || w.size(2) == Q6K_BYTES), "bad K-quant weight");
+  const int64_t bytes = w.size(2);
+  const AmxFormat f = bytes == Q4K_BYTES ? AmxFormat::Q4K : bytes == Q5K_BYTES ? AmxFormat::Q5K : AmxFormat::Q6K;
+  return packed_linear(x, w, bias, w.size(1) * QK_K, f, kq_tiles);
 }
 
 // A Q4_K or Q5_K tensor's super-blocks (N, K/256, 144 | 176) uint8 (rows and super-blocks may be strided, a super-

@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "simd.h"
 
 namespace fastdecode {
@@ -314,6 +316,17 @@ void pair_tiles_linear(const float* X, int64_t M, int64_t K, const uint8_t* W, i
     }
   });
 }
+
+// The kernels after amx_linear: tiles [t_first, N/4) of 4 output rows (tile_bytes each from W) against the rows of
+// X (M, K) -> Y (M, N), plus the bias B (null: none).
+using TilesKernel = void (*)(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes,
+                             int64_t t_first, int64_t N, const float* B, float* Y);
+
+// y (..., N) = x @ W.T + bias for x (..., K), w (N/4, _, _) uint8 the format's packed tiles of 4 weight rows and bias
+// float32 (N) or none: amx_linear takes the blocks of 32 output rows it can in format f (none without one), `kernel`
+// the rest (quant.cpp).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t K,
+                         std::optional<AmxFormat> f, TilesKernel kernel);
 
 // The pair-tile formats' packing (int4, Q8_0, MXFP4): `out` (N/4, blocks/2, tile_bytes) checked, then per tile of 4
 // weight rows and pair of blocks, put(o, r, b, row, block) for each of its rows r and the pair's blocks b, o the
