@@ -220,12 +220,6 @@ void unpack_b(const uint8_t* tile, int64_t tile_bytes, int64_t u, uint8_t* out) 
     unpack_part<F>(tile + part * IVec::TILES * tile_bytes, tile_bytes, u, out + part * 16 * IVec::TILES);
 }
 
-inline float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 // The float factors of 32 weight rows (8 tiles from `tile`), per unit: d_w -> dw[u][n], the mins' -> mw[u][n]
 // (int4: m; Q4_K, Q5_K: dmin * m), as the VNNI kernels compute them.
 template <AmxFormat F>

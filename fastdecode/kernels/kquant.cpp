@@ -28,6 +28,7 @@
 namespace {
 
 using fastdecode::block_sums;
+using fastdecode::fp16;
 using fastdecode::hsum;
 using fastdecode::offset32_dot;
 using fastdecode::pair_dot;
@@ -59,12 +60,6 @@ inline __m256 u8_floats(const uint8_t* p) {
 
 inline __m256 i8_floats(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-
-inline float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
 }
 
 // One call: MR activation rows against one tile of 4 weight rows.
