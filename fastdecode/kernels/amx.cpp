@@ -220,12 +220,6 @@ void unpack_b(const uint8_t* tile, int64_t tile_bytes, int64_t u, uint8_t* out) 
     unpack_part<F>(tile + part * IVec::TILES * tile_bytes, tile_bytes, u, out + part * 16 * IVec::TILES);
 }
 
-inline float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 // The float factors of 32 weight rows (8 tiles from `tile`), per unit: d_w -> dw[u][n], the mins' -> mw[u][n]
 // (int4: m; Q4_K, Q5_K: dmin * m), as the VNNI kernels compute them.
 template <AmxFormat F>
@@ -584,6 +578,9 @@ void vnni_linear(const uint8_t* W, int64_t tile_bytes, int64_t K, int64_t n_bloc
 
 bool amx_int8_ready() { return tiles_permitted(); }
 
+// From how many activation rows amx_linear takes a matmul's blocks of 32 weight rows in format f: AMX_MIN_ROWS on the
+// tiles, else (vpdpbusd, or AVX2's vpmaddubsw, over the tiles' layout) VNNI_MIN_ROWS, unless FASTDECODE_VNNI_TILED=0;
+// never Q8_0 in the AVX2 build (its q + 128 would saturate vpmaddubsw's int16 sums).
 int64_t tiled_min_rows(AmxFormat f) {
   static const int64_t rows = [] {
     if (tiles_permitted()) return AMX_MIN_ROWS;
@@ -596,8 +593,10 @@ int64_t tiled_min_rows(AmxFormat f) {
   return rows;
 }
 
-void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes,
-                int64_t n_blocks, int64_t N, const float* bias, float* Y) {
+int64_t amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes, int64_t N,
+                   const float* bias, float* Y) {
+  const int64_t n_blocks = M >= tiled_min_rows(f) ? N / 32 : 0;
+  if (n_blocks == 0) return 0;
   const int64_t blocks = K / 32, Mp = (M + 31) / 32 * 32;
   const bool q6 = f == AmxFormat::Q6K;
   const int32_t offset = f == AmxFormat::Q8 ? 128 : f == AmxFormat::FP4 ? 12 : 0;  // per block of 32
@@ -627,13 +626,14 @@ void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t
     vnni_linear<F>(W, tile_bytes, K, n_blocks, x, N, bias, Y);
   };
   switch (f) {
-    case AmxFormat::Q4: return run(std::integral_constant<AmxFormat, AmxFormat::Q4>{});
-    case AmxFormat::Q4K: return run(std::integral_constant<AmxFormat, AmxFormat::Q4K>{});
-    case AmxFormat::Q5K: return run(std::integral_constant<AmxFormat, AmxFormat::Q5K>{});
-    case AmxFormat::Q6K: return run(std::integral_constant<AmxFormat, AmxFormat::Q6K>{});
-    case AmxFormat::Q8: return run(std::integral_constant<AmxFormat, AmxFormat::Q8>{});
-    case AmxFormat::FP4: return run(std::integral_constant<AmxFormat, AmxFormat::FP4>{});
+    case AmxFormat::Q4: run(std::integral_constant<AmxFormat, AmxFormat::Q4>{}); break;
+    case AmxFormat::Q4K: run(std::integral_constant<AmxFormat, AmxFormat::Q4K>{}); break;
+    case AmxFormat::Q5K: run(std::integral_constant<AmxFormat, AmxFormat::Q5K>{}); break;
+    case AmxFormat::Q6K: run(std::integral_constant<AmxFormat, AmxFormat::Q6K>{}); break;
+    case AmxFormat::Q8: run(std::integral_constant<AmxFormat, AmxFormat::Q8>{}); break;
+    case AmxFormat::FP4: run(std::integral_constant<AmxFormat, AmxFormat::FP4>{}); break;
   }
+  return n_blocks * 32;
 }
 
 

@@ -27,15 +27,11 @@ struct TileConfig {
 // build (the AVX-512 one) has them.
 bool amx_int8_ready();
 
-// From how many activation rows amx_linear takes a matmul's blocks of 32 weight rows in format f: AMX_MIN_ROWS on the
-// tiles, else (vpdpbusd, or AVX2's vpmaddubsw, over the tiles' layout) VNNI_MIN_ROWS, unless FASTDECODE_VNNI_TILED=0;
-// never Q8_0 in the AVX2 build (its q + 128 would saturate vpmaddubsw's int16 sums).
-int64_t tiled_min_rows(AmxFormat f);
-
-// Y[:, :n_blocks * 32] = X @ W.T (+ bias) for X (M, K) float, W the format's packed tiles (tile_bytes per 4 weight
-// rows), Y (M, N): bit for bit what the VNNI kernel gives for those columns, on AMX tiles where permitted, else with
-// VNNI (AVX2: vpmaddubsw) over the tiles' layout.
-void amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes,
-                int64_t n_blocks, int64_t N, const float* bias, float* Y);
+// Where M reaches tiled_min_rows(f) (amx.cpp): Y[:, :N / 32 * 32] = X @ W.T (+ bias) for X (M, K) float, W the
+// format's packed tiles (tile_bytes per 4 weight rows), Y (M, N): bit for bit what the VNNI kernel gives for those
+// columns, on AMX tiles where permitted, else with VNNI (AVX2: vpmaddubsw) over the tiles' layout. -> the columns it
+// computed (0 for fewer rows), the rest left to the caller.
+int64_t amx_linear(AmxFormat f, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes, int64_t N,
+                   const float* bias, float* Y);
 
 }  // namespace fastdecode

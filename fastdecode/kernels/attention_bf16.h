@@ -32,15 +32,13 @@ namespace fastdecode {
 
 // Whether this CPU has AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids and later) and FASTDECODE_BF16_ATTENTION is
 // not 0 (the float kernel for every row: A/B runs, or a user who wants prompt rows computed as decode rows are).
-inline bool bf16_attention_ready() {
+inline bool prompt_attention_ready() {
   static const bool ready = [] {
     const char* env = std::getenv("FASTDECODE_BF16_ATTENTION");
     return __builtin_cpu_supports("avx512bf16") && !(env && std::strcmp(env, "0") == 0);
   }();
   return ready;
 }
-
-inline bool prompt_attention_ready() { return bf16_attention_ready(); }
 
 constexpr const char* PROMPT_ATTENTION = "bf16";
 constexpr int64_t PROMPT_HD_MULTIPLE = 32;  // head sizes the kernel takes

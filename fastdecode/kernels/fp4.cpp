@@ -16,7 +16,6 @@
 // 720 on the AMX tiles.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <immintrin.h>
 
 #include <cstring>
@@ -26,11 +25,6 @@
 #include "quant_rows.h"
 #include "simd.h"
 
-namespace fastdecode {
-at::Tensor as_rows(const at::Tensor& x, int64_t K);
-const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N);
-}  // namespace fastdecode
-
 namespace {
 
 constexpr int64_t FP4_PAIR = 8 + 4 * 32;  // a tile's bytes per pair of blocks: 8 scale bytes, 4 rows x 32 bytes
@@ -38,6 +32,7 @@ constexpr int64_t FP4_PAIR = 8 + 4 * 32;  // a tile's bytes per pair of blocks: 
 using fastdecode::block_sums;
 using fastdecode::pair_dot;
 using fastdecode::prefetch_stream;
+using fastdecode::store_pass;
 
 // The pair's 8 scales 2^(e - 128) in (block, row) lanes, as block_sums lays out a pair's sums: e << 23 is the float
 // 2^(e - 127) (e = 0: 0, in place of 2^-127), halved exactly.
@@ -78,44 +73,29 @@ void fp4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, co
                                acc[m]);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float a[8];
-    _mm256_store_ps(a, acc[m]);
-    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = a[r] + a[r + 4];
-  }
+  store_pass<MR>(acc, nullptr, N, t, y);
 }
 
 }  // namespace
 
 namespace fastdecode {
 
-// w (N/4, K/64, 136) uint8. The rows of x are quantized to int8 per block of 32, then every tile of 4 output rows
-// takes all of them in passes (pair_tiles_linear), tiles spread over the threads; a tile (9 KB at K = 2880) stays in
-// L1 between passes.
+// The tiles from t_first: the rows of x are quantized to int8 per block of 32, then every tile of 4 output rows takes
+// all of them in passes (pair_tiles_linear), tiles spread over the threads; a tile (9 KB at K = 2880) stays in L1
+// between passes.
+void fp4_tiles(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes, int64_t t_first, int64_t N,
+               const float* B, float* Y) {
+  fastdecode::pair_tiles_linear(X, M, K, W, tile_bytes, t_first, N, B, Y,
+                                [&](auto rows, const uint8_t* w, const int8_t* xq, const float* xs, const int32_t* xc,
+                                    int64_t t, float* y) { fp4_pass<decltype(rows)::value>(w, K, xq, xs, xc, N, t, y); });
+}
+
+// w (N/4, K/64, 136) uint8; over AMX_MIN_ROWS rows or more, on a CPU with AMX, the AMX tiles take the blocks of 32
+// output rows (the same results, amx.cpp).
 at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == FP4_PAIR,
               "bad fp4 weight");
-  const int64_t N = w.size(0) * 4, K = w.size(1) * 64, pairs = K / 64, tile_bytes = pairs * FP4_PAIR;
-  const at::Tensor x2d = as_rows(x, K);
-  const float* B = bias_of(bias, N);
-  const int64_t M = x2d.size(0);
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x2d.options());
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  const float* X = x2d.data_ptr<float>();
-  float* Y = y.data_ptr<float>();
-  // Over AMX_MIN_ROWS rows or more, on a CPU with AMX, the AMX tiles take the blocks of 32 output rows (the same
-  // results, amx.cpp).
-  const int64_t amx_cols = M >= tiled_min_rows(AmxFormat::FP4) ? N / 32 * 32 : 0;
-  if (amx_cols > 0) {
-    amx_linear(AmxFormat::FP4, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
-    if (amx_cols == N) return y;
-  }
-  fastdecode::pair_tiles_linear(X, M, K, W, tile_bytes, amx_cols / 4, N, B, Y,
-                                [&](auto rows, const uint8_t* w, const int8_t* xq, const float* xs, const int32_t* xc,
-                                    int64_t t, float* y) { fp4_pass<decltype(rows)::value>(w, K, xq, xs, xc, N, t, y); });
-  return y;
+  return packed_linear(x, w, bias, w.size(1) * 64, AmxFormat::FP4, fp4_tiles);
 }
 
 // MXFP4 blocks -> fp4_linear's tiles (N/4, K/64, 136), written once in one pass: codes (N, K/32, 16) uint8, each
@@ -127,24 +107,11 @@ void fp4_pack(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales)
   const int64_t N = codes.size(0), blocks = codes.size(1);
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kByte && scales.size(0) == N &&
               scales.size(1) == blocks, "fp4_pack: scales must be uint8 (N, K/32)");
-  TORCH_CHECK(N % 4 == 0 && blocks % 2 == 0 && out.is_contiguous() && out.scalar_type() == at::kByte &&
-              out.dim() == 3 && out.size(0) == N / 4 && out.size(1) == blocks / 2 && out.size(2) == FP4_PAIR,
-              "fp4_pack: bad output");
   const uint8_t* q = codes.data_ptr<uint8_t>();
   const uint8_t* e = scales.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t pairs = blocks / 2;
-  at::parallel_for(0, N / 4 * pairs, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / pairs, p = i % pairs;
-      uint8_t* o = dst + i * FP4_PAIR;
-      for (int r = 0; r < 4; ++r)
-        for (int b = 0; b < 2; ++b) {
-          const int64_t row = 4 * t + r, block = 2 * p + b;
-          o[2 * r + b] = e[row * scales.stride(0) + block * scales.stride(1)];
-          std::memcpy(o + 8 + 32 * r + 16 * b, q + row * codes.stride(0) + block * codes.stride(1), 16);
-        }
-    }
+  pack_pairs(out, N, blocks, FP4_PAIR, "fp4_pack", [&](uint8_t* o, int r, int b, int64_t row, int64_t block) {
+    o[2 * r + b] = e[row * scales.stride(0) + block * scales.stride(1)];
+    std::memcpy(o + 8 + 32 * r + 16 * b, q + row * codes.stride(0) + block * codes.stride(1), 16);
   });
 }
 

@@ -25,17 +25,10 @@
 #include "quant_rows.h"
 #include "simd.h"
 
-namespace fastdecode {
-at::Tensor as_rows(const at::Tensor& x, int64_t K);
-const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N);
-}  // namespace fastdecode
-
 namespace {
 
-using fastdecode::AmxFormat;
-using fastdecode::amx_linear;
-using fastdecode::tiled_min_rows;
 using fastdecode::block_sums;
+using fastdecode::fp16;
 using fastdecode::hsum;
 using fastdecode::offset32_dot;
 using fastdecode::pair_dot;
@@ -43,6 +36,7 @@ using fastdecode::prefetch;
 using fastdecode::prefetch_stream;
 using fastdecode::prefetch_stream_l1;
 using fastdecode::row_scales;
+using fastdecode::store_pass;
 #ifdef __AVX512F__
 using fastdecode::chunk_rows;
 using fastdecode::nibble_quads;
@@ -66,12 +60,6 @@ inline __m256 u8_floats(const uint8_t* p) {
 
 inline __m256 i8_floats(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-
-inline float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
 }
 
 // One call: MR activation rows against one tile of 4 weight rows.
@@ -148,11 +136,7 @@ void kq_pass(const Call& c) {
       }
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float a[8];
-    _mm256_store_ps(a, acc[m]);
-    for (int r = 0; r < 4; ++r) c.y[m * c.N + 4 * c.t + r] = a[r] + a[r + 4];
-  }
+  store_pass<MR>(acc, nullptr, c.N, c.t, c.y);
   kq_mins<MR, Q5>(c);
 }
 
@@ -390,33 +374,29 @@ void q6_rows_t(const Call& c, const int8_t* xk, const int32_t* corr, const float
 }
 #endif
 
-struct Q6K {
-  template <int MR, int NR> static void run(const Call& c, int r0) { q6_rows<MR, NR>(c, r0); }
-};
-
-template <class F, int MR>
-void call(const Call& c) {
-  if (MR <= 2) return F::template run<MR, 4>(c, 0);
-  for (int r = 0; r < 4; ++r) F::template run<MR, 1>(c, r);
+// MR rows against the tile: all 4 weight rows in one pass for one or two rows, else one weight row at a time.
+template <int MR>
+void q6_call(const Call& c) {
+  if (MR <= 2) return q6_rows<MR, 4>(c, 0);
+  for (int r = 0; r < 4; ++r) q6_rows<MR, 1>(c, r);
 }
 
 // All M rows against one Q6_K tile, in calls of up to 8 rows of about equal size.
-template <class F>
-void tile(Call c, int64_t M) {
+void q6_tile(Call c, int64_t M) {
   const int64_t calls = (M + 7) / 8;
   for (int64_t k = 0, m = 0; k < calls; ++k) {
     const int64_t rows = (M - m) / (calls - k);
     Call part = c;
     part.xq += m * c.K, part.xs += m * c.xs_row, part.y += m * c.N;
     switch (rows) {
-      case 1: call<F, 1>(part); break;
-      case 2: call<F, 2>(part); break;
-      case 3: call<F, 3>(part); break;
-      case 4: call<F, 4>(part); break;
-      case 5: call<F, 5>(part); break;
-      case 6: call<F, 6>(part); break;
-      case 7: call<F, 7>(part); break;
-      default: call<F, 8>(part); break;
+      case 1: q6_call<1>(part); break;
+      case 2: q6_call<2>(part); break;
+      case 3: q6_call<3>(part); break;
+      case 4: q6_call<4>(part); break;
+      case 5: q6_call<5>(part); break;
+      case 6: q6_call<6>(part); break;
+      case 7: q6_call<7>(part); break;
+      default: q6_call<8>(part); break;
     }
     m += rows;
   }
@@ -426,37 +406,17 @@ void tile(Call c, int64_t M) {
 
 namespace fastdecode {
 
-// w (N/4, K/256, 592 | 720 | 840) uint8: Q4_K, Q5_K or Q6_K by its tile size. The rows of x are quantized to int8
-// per block of 32 (in pair order for Q4_K/Q5_K, element order for Q6_K), then every tile of 4 output rows takes all
-// of them, tiles spread over the threads; over AMX_MIN_ROWS rows or more, on a CPU with AMX, on AMX tiles (the same
-// results, amx.cpp) for the blocks of 32 output rows.
-at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte &&
-              (w.size(2) == Q4K_BYTES || w.size(2) == Q5K_BYTES || w.size(2) == Q6K_BYTES), "bad K-quant weight");
-  const int64_t N = w.size(0) * 4, K = w.size(1) * QK_K, bytes = w.size(2);
-  const at::Tensor x2d = as_rows(x, K);
-  const float* B = bias_of(bias, N);
-  const int64_t M = x2d.size(0);
-  const float* X = x2d.data_ptr<float>();
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x2d.options());
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  float* Y = y.data_ptr<float>();
-  const int64_t tile_bytes = K / QK_K * bytes;
+// The tiles from t_first, Q4_K, Q5_K or Q6_K by their size: the rows of x are quantized to int8 per block of 32 (in
+// pair order for Q4_K/Q5_K, element order for Q6_K), then every tile of 4 output rows takes all of them, tiles spread
+// over the threads.
+void kq_tiles(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes, int64_t t_first, int64_t N,
+              const float* B, float* Y) {
+  const int64_t bytes = tile_bytes / (K / QK_K);
   const bool q6 = bytes == Q6K_BYTES;
-
-  const AmxFormat f = bytes == Q4K_BYTES ? AmxFormat::Q4K : bytes == Q5K_BYTES ? AmxFormat::Q5K : AmxFormat::Q6K;
-  const int64_t amx_cols = M >= tiled_min_rows(f) ? N / 32 * 32 : 0;
-  if (amx_cols > 0) {
-    amx_linear(f, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
-    if (amx_cols == N) return y;
-  }
-
   const int64_t xs_row = q6 ? K / 32 : K / 64 * 16;
-  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar));
-  const at::Tensor xs = at::empty({M, xs_row}, x2d.options());
-  const at::Tensor xt = at::empty({q6 ? 0 : M / 4, K / 64, 8}, x2d.options());
+  const at::Tensor xq = at::empty({M, K}, at::kChar);
+  const at::Tensor xs = at::empty({M, xs_row}, at::kFloat);
+  const at::Tensor xt = at::empty({q6 ? 0 : M / 4, K / 64, 8}, at::kFloat);
   if (q6) quantize_rows_plain(X, M * K / 32, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
   else quantize_rows_grouped(X, M, K, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xt.data_ptr<float>());
   // The groups of 8 rows an AVX-512 build takes with kq_rows_t or q6_rows_t, their rows rearranged.
@@ -477,7 +437,7 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   }
 #endif
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
-  at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(t_first, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       if (M > 2 && t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);  // else one pass streams it
       const Call c{W + t * tile_bytes, K / QK_K, K, N, t, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xs_row, Y};
@@ -493,14 +453,23 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
 #endif
         Call rest = c;
         rest.xq += grouped * K, rest.xs += grouped * xs_row, rest.y += grouped * N;
-        if (M > grouped) tile<Q6K>(rest, M - grouped);
+        if (M > grouped) q6_tile(rest, M - grouped);
       }
       if (B)
         for (int64_t m = 0; m < M; ++m)
           for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] += B[4 * t + r];
     }
   });
-  return y;
+}
+
+// w (N/4, K/256, 592 | 720 | 840) uint8: Q4_K, Q5_K or Q6_K by its tile size; over AMX_MIN_ROWS rows or more, on a CPU
+// with AMX, the AMX tiles take the blocks of 32 output rows (the same results, amx.cpp).
+at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte &&
+              (w.size(2) == Q4K_BYTES || w.size(2) == Q5K_BYTES || w.size(2) == Q6K_BYTES), "bad K-quant weight");
+  const int64_t bytes = w.size(2);
+  const AmxFormat f = bytes == Q4K_BYTES ? AmxFormat::Q4K : bytes == Q5K_BYTES ? AmxFormat::Q5K : AmxFormat::Q6K;
+  return packed_linear(x, w, bias, w.size(1) * QK_K, f, kq_tiles);
 }
 
 // A Q4_K or Q5_K tensor's super-blocks (N, K/256, 144 | 176) uint8 (rows and super-blocks may be strided, a super-

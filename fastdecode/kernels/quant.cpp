@@ -49,6 +49,7 @@ using fastdecode::prefetch;
 using fastdecode::prefetch_stream;
 using fastdecode::quantize_rows_grouped;
 using fastdecode::row_scales;
+using fastdecode::store_pass;
 using fastdecode::vecf;
 using fastdecode::vfma;
 using fastdecode::vload;
@@ -141,12 +142,7 @@ void q4_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, int
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_loadu_ps(s)), acc[m]);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float a[8], mn[8];
-    _mm256_store_ps(a, acc[m]);
-    _mm256_store_ps(mn, acc_min[m]);
-    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = a[r] + a[r + 4] + mn[2 * r] + mn[2 * r + 1];
-  }
+  store_pass<MR>(acc, acc_min, N, t, y);
 }
 
 #ifdef __AVX512F__
@@ -375,11 +371,7 @@ void q8_pass(const uint8_t* w, int64_t K, const int8_t* xq, const float* xs, con
                                acc[m]);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float a[8];
-    _mm256_store_ps(a, acc[m]);
-    for (int r = 0; r < 4; ++r) y[m * N + 4 * t + r] = a[r] + a[r + 4];
-  }
+  store_pass<MR>(acc, nullptr, N, t, y);
 }
 
 #ifdef __AVX512F__
@@ -427,63 +419,50 @@ void q8_rows_t(const uint8_t* w, int64_t K, const int8_t* xk, const float* xd, c
 
 namespace fastdecode {
 
-// x (..., K) as a contiguous float (M, K) matrix.
-at::Tensor as_rows(const at::Tensor& x, int64_t K) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t K,
+                         std::optional<AmxFormat> f, TilesKernel kernel) {
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
-  return x.reshape({-1, K}).to(at::kFloat).contiguous();
-}
-
-// The bias as a float pointer, null when absent.
-const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N) {
-  if (!bias || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
-              "bias must be float32 of out_features");
-  return bias->data_ptr<float>();
-}
-
-// Q8_0's pair tiles (N/4, K/64, 272): the rows of x quantized to int8 per block of 32, then every tile takes all of
-// them, tiles spread over the threads; over AMX_MIN_ROWS rows or more, on a CPU with AMX, the AMX tiles take the
-// blocks of 32 output rows instead (the same results, amx.cpp).
-void q8_pairs(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N, const float* B, float* Y) {
-  const int64_t pairs = K / 64, tile_bytes = pairs * Q8_PAIR;
-  const int64_t amx_cols = M >= fastdecode::tiled_min_rows(fastdecode::AmxFormat::Q8) ? N / 32 * 32 : 0;
-  if (amx_cols > 0) {
-    fastdecode::amx_linear(fastdecode::AmxFormat::Q8, X, M, K, W, tile_bytes, amx_cols / 32, N, B, Y);
-    if (amx_cols == N) return;
+  const at::Tensor x2d = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t N = w.size(0) * 4, M = x2d.size(0), tile_bytes = w.size(1) * w.size(2);
+  const float* B = nullptr;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
+                "bias must be float32 of out_features");
+    B = bias->data_ptr<float>();
   }
-  const auto pass = [&](auto rows, const uint8_t* w, const int8_t* xq, const float* xs, const int32_t* xc, int64_t t,
-                        float* y) { q8_pass<decltype(rows)::value>(w, K, xq, xs, xc, N, t, y); };
-#ifdef __AVX512F__
-  fastdecode::pair_tiles_linear(X, M, K, W, tile_bytes, amx_cols / 4, N, B, Y, pass,
-                                [&](auto rows, const uint8_t* w, const int8_t* xk, const float* xd,
-                                    const int32_t* xcq, int64_t t, float* y) {
-                                  q8_rows_t<decltype(rows)::value>(w, K, xk, xd, xcq, N, t, y);
-                                });
-#else
-  fastdecode::pair_tiles_linear(X, M, K, W, tile_bytes, amx_cols / 4, N, B, Y, pass);
-#endif
-}
-
-// w (N/4, K/32, 144) uint8, weight-only (the activations stay float), or Q8_0's pair tiles (N/4, K/64, 272).
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  const int64_t tile_bytes = w.size(2), N = w.size(0) * 4, K = w.size(1) * (tile_bytes == Q8_PAIR ? 64 : QK);
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && (tile_bytes == Q8F_BLOCK || tile_bytes == Q8_PAIR),
-              "bad q8 weight");
-  const at::Tensor x2d = as_rows(x, K);
-  const float* B = bias_of(bias, N);
-  const int64_t M = x2d.size(0);
   auto shape = x.sizes().vec();
   shape.back() = N;
   at::Tensor y = at::empty(shape, x2d.options());
   const uint8_t* W = w.data_ptr<uint8_t>();
   const float* X = x2d.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  if (tile_bytes == Q8_PAIR) {
-    q8_pairs(X, M, K, W, N, B, Y);
-    return y;
-  }
+  const int64_t tiled = f ? amx_linear(*f, X, M, K, W, tile_bytes, N, B, Y) : 0;  // the same results (amx.cpp)
+  if (tiled < N) kernel(X, M, K, W, tile_bytes, tiled / 4, N, B, Y);
+  return y;
+}
+
+// Q8_0's pair tiles (N/4, K/64, 272): the rows of x quantized to int8 per block of 32, then every tile from t_first
+// takes all of them, tiles spread over the threads.
+void q8_pairs(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes, int64_t t_first, int64_t N,
+              const float* B, float* Y) {
+  const auto pass = [&](auto rows, const uint8_t* w, const int8_t* xq, const float* xs, const int32_t* xc, int64_t t,
+                        float* y) { q8_pass<decltype(rows)::value>(w, K, xq, xs, xc, N, t, y); };
+#ifdef __AVX512F__
+  fastdecode::pair_tiles_linear(X, M, K, W, tile_bytes, t_first, N, B, Y, pass,
+                                [&](auto rows, const uint8_t* w, const int8_t* xk, const float* xd,
+                                    const int32_t* xcq, int64_t t, float* y) {
+                                  q8_rows_t<decltype(rows)::value>(w, K, xk, xd, xcq, N, t, y);
+                                });
+#else
+  fastdecode::pair_tiles_linear(X, M, K, W, tile_bytes, t_first, N, B, Y, pass);
+#endif
+}
+
+// The weight-only tiles (N/4, K/32, 144), all of them (no AMX kernel: t_first is 0).
+void q8f_tiles(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t bytes, int64_t, int64_t N,
+               const float* B, float* Y) {
   // From 6 rows an AVX-512 build takes the tiles two at a time (f32_rows8); the tasks are pairs of tiles then.
-  const int64_t step = M >= 6 && VW == 16 ? 2 : 1, bytes = K / QK * tile_bytes;
+  const int64_t step = M >= 6 && VW == 16 ? 2 : 1;
   at::parallel_for(0, (N / 4 + step - 1) / step, std::max<int64_t>(1, (64 << 10) / (4 * K * step)),
                    [&](int64_t i0, int64_t i1) {
     std::vector<float> buf(M >= 6 ? 4 * K * step : 0);
@@ -498,34 +477,26 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
           for (int r = 0; r < 4 * tiles; ++r) Y[i * N + 4 * t + r] += B[4 * t + r];
     }
   });
-  return y;
 }
 
-// w (N/4, K/64, 160) uint8. The rows of x are quantized to int8 per block of 32, then every tile of 4 output rows
-// takes all of them, tiles spread over the threads; over AMX_MIN_ROWS rows or more, on a CPU with AMX, the AMX
-// tiles take the blocks of 32 output rows instead (the same results, amx.cpp).
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  const int64_t N = w.size(0) * 4, K = w.size(1) * 2 * QK, pairs = K / 64;
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 160, "bad q4 weight");
-  const at::Tensor x2d = as_rows(x, K);
-  const float* B = bias_of(bias, N);
-  const int64_t M = x2d.size(0);
-  const float* X = x2d.data_ptr<float>();
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x2d.options());
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  float* Y = y.data_ptr<float>();
+// w (N/4, K/32, 144) uint8, weight-only (the activations stay float), or Q8_0's pair tiles (N/4, K/64, 272), whose
+// blocks of 32 output rows amx_linear takes from enough rows (the same results, amx.cpp).
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  const int64_t tile_bytes = w.size(2), K = w.size(1) * (tile_bytes == Q8_PAIR ? 64 : QK);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && (tile_bytes == Q8F_BLOCK || tile_bytes == Q8_PAIR),
+              "bad q8 weight");
+  if (tile_bytes == Q8_PAIR) return packed_linear(x, w, bias, K, AmxFormat::Q8, q8_pairs);
+  return packed_linear(x, w, bias, K, std::nullopt, q8f_tiles);
+}
 
-  const int64_t amx_cols = M >= fastdecode::tiled_min_rows(fastdecode::AmxFormat::Q4) ? N / 32 * 32 : 0;
-  if (amx_cols > 0) {
-    fastdecode::amx_linear(fastdecode::AmxFormat::Q4, X, M, K, W, K / 64 * 160, amx_cols / 32, N, B, Y);
-    if (amx_cols == N) return y;
-  }
-
-  const at::Tensor xq = at::empty({M, K}, x2d.options().dtype(at::kChar));
-  const at::Tensor xs = at::empty({M, pairs, 16}, x2d.options());
-  const at::Tensor xt = at::empty({M / 4, pairs, 8}, x2d.options());  // d_x of each group of 4 rows, per pair
+// int4's tiles from t_first: the rows of x are quantized to int8 per block of 32, then every tile of 4 output rows
+// takes all of them, tiles spread over the threads.
+void q4_tiles(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes, int64_t t_first, int64_t N,
+              const float* B, float* Y) {
+  const int64_t pairs = K / 64;
+  const at::Tensor xq = at::empty({M, K}, at::kChar);
+  const at::Tensor xs = at::empty({M, pairs, 16}, at::kFloat);
+  const at::Tensor xt = at::empty({M / 4, pairs, 8}, at::kFloat);  // d_x of each group of 4 rows, per pair
   int8_t* XQ = xq.data_ptr<int8_t>();
   float *XS = xs.data_ptr<float>(), *XT = xt.data_ptr<float>();
   quantize_rows_grouped(X, M, K, XQ, XS, XT);
@@ -542,9 +513,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
                            xd.data_ptr<float>() + grouped * pairs * 2, nullptr);
   }
 #endif
-  const int64_t tile_bytes = K / 64 * 160;
   // Tiny matrices (under ~64 KB of weights a thread) stay on one thread: forking would cost more than it saves.
-  at::parallel_for(amx_cols / 4, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(t_first, N / 4, std::max<int64_t>(1, (64 << 10) / tile_bytes), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       // The next tile whole where a group of rows reads this one several times; a single pass streams its own.
       if (VW == 8 && M >= 3 && t + 1 < t1) prefetch(W + (t + 1) * tile_bytes, tile_bytes);
@@ -554,7 +524,13 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
           for (int r = 0; r < 4; ++r) Y[m * N + 4 * t + r] += B[4 * t + r];
     }
   });
-  return y;
+}
+
+// w (N/4, K/64, 160) uint8; over AMX_MIN_ROWS rows or more, on a CPU with AMX, the AMX tiles take the blocks of 32
+// output rows (the same results, amx.cpp).
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.size(2) == 160, "bad q4 weight");
+  return packed_linear(x, w, bias, w.size(1) * 2 * QK, AmxFormat::Q4, q4_tiles);
 }
 
 // Q4_0/Q4_1 blocks -> q4_linear's tiles (N/4, K/64, 160), written once in one pass: qs (N, K/32, 16) uint8, each
@@ -567,26 +543,13 @@ void q4_pack(at::Tensor out, const at::Tensor& qs, const at::Tensor& scales, con
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kHalf && t->size(0) == N && t->size(1) == blocks,
                 "q4_pack: scales and mins must be fp16 (N, K/32)");
-  TORCH_CHECK(N % 4 == 0 && blocks % 2 == 0 && out.is_contiguous() && out.scalar_type() == at::kByte &&
-              out.dim() == 3 && out.size(0) == N / 4 && out.size(1) == blocks / 2 && out.size(2) == 160,
-              "q4_pack: bad output");
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const auto* d = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   const auto* m = reinterpret_cast<const uint16_t*>(mins.data_ptr());
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t pairs = blocks / 2;
-  at::parallel_for(0, N / 4 * pairs, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / pairs, p = i % pairs;
-      uint8_t* o = dst + i * 160;
-      for (int r = 0; r < 4; ++r)
-        for (int b = 0; b < 2; ++b) {
-          const int64_t row = 4 * t + r, block = 2 * p + b;
-          std::memcpy(o + 4 * r + 2 * b, d + row * scales.stride(0) + block * scales.stride(1), 2);  // (row, block)
-          std::memcpy(o + 16 + 4 * r + 2 * b, m + row * mins.stride(0) + block * mins.stride(1), 2);
-          std::memcpy(o + 32 + 32 * r + 16 * b, q + row * qs.stride(0) + block * qs.stride(1), 16);
-        }
-    }
+  fastdecode::pack_pairs(out, N, blocks, 160, "q4_pack", [&](uint8_t* o, int r, int b, int64_t row, int64_t block) {
+    std::memcpy(o + 4 * r + 2 * b, d + row * scales.stride(0) + block * scales.stride(1), 2);  // (row, block)
+    std::memcpy(o + 16 + 4 * r + 2 * b, m + row * mins.stride(0) + block * mins.stride(1), 2);
+    std::memcpy(o + 32 + 32 * r + 16 * b, q + row * qs.stride(0) + block * qs.stride(1), 16);
   });
 }
 
@@ -598,26 +561,13 @@ void q8_pack(at::Tensor out, const at::Tensor& q, const at::Tensor& scales) {
   const int64_t N = q.size(0), blocks = q.size(1);
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.size(0) == N &&
               scales.size(1) == blocks, "q8_pack: scales must be fp16 (N, K/32)");
-  TORCH_CHECK(N % 4 == 0 && blocks % 2 == 0 && out.is_contiguous() && out.scalar_type() == at::kByte &&
-              out.dim() == 3 && out.size(0) == N / 4 && out.size(1) == blocks / 2 && out.size(2) == Q8_PAIR,
-              "q8_pack: bad output");
   const int8_t* v = q.data_ptr<int8_t>();
   const auto* d = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t pairs = blocks / 2;
-  at::parallel_for(0, N / 4 * pairs, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / pairs, p = i % pairs;
-      uint8_t* o = dst + i * Q8_PAIR;
-      for (int r = 0; r < 4; ++r)
-        for (int b = 0; b < 2; ++b) {
-          const int64_t row = 4 * t + r, block = 2 * p + b;
-          std::memcpy(o + 4 * r + 2 * b, d + row * scales.stride(0) + block * scales.stride(1), 2);  // (row, block)
-          const int8_t* src = v + row * q.stride(0) + block * q.stride(1);
-          std::memcpy(o + 16 + 64 * r + 16 * b, src, 16);  // elements 0..15 of b, then (below) 16..31
-          std::memcpy(o + 16 + 64 * r + 32 + 16 * b, src + 16, 16);
-        }
-    }
+  fastdecode::pack_pairs(out, N, blocks, Q8_PAIR, "q8_pack", [&](uint8_t* o, int r, int b, int64_t row, int64_t block) {
+    std::memcpy(o + 4 * r + 2 * b, d + row * scales.stride(0) + block * scales.stride(1), 2);  // (row, block)
+    const int8_t* src = v + row * q.stride(0) + block * q.stride(1);
+    std::memcpy(o + 16 + 64 * r + 16 * b, src, 16);  // elements 0..15 of b, then (below) 16..31
+    std::memcpy(o + 16 + 64 * r + 32 + 16 * b, src + 16, 16);
   });
 }
 

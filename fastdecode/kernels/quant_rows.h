@@ -3,13 +3,16 @@
 // times activation sums are exact integers and only the per-block scaling is float.
 #pragma once
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "simd.h"
 
 namespace fastdecode {
@@ -232,6 +235,19 @@ inline __m256i offset32_dot(__m256i u, __m256i x) {
 #endif
 }
 
+// A pass's accumulators, lanes (parity, weight row) as block_sums gives them, and (mins, if given) the mins' chains
+// in (weight row, parity) lanes -> y[m][4 t + r] = (E + O) (+ ME + MO).
+template <int MR>
+inline void store_pass(const __m256* acc, const __m256* mins, int64_t N, int64_t t, float* y) {
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float a[8], mn[8];
+    _mm256_store_ps(a, acc[m]);
+    if (mins) _mm256_store_ps(mn, mins[m]);
+    for (int r = 0; r < 4; ++r)
+      y[m * N + 4 * t + r] = mins ? a[r] + a[r + 4] + mn[2 * r] + mn[2 * r + 1] : a[r] + a[r + 4];
+  }
+}
+
 // The per-block sums of four pair_dot results (8 int32 lanes each: 4 partial sums of block b, 4 of block b + 1):
 // lanes [s0 b, s1 b, s2 b, s3 b | s0 b+1, s1 b+1, s2 b+1, s3 b+1].
 inline __m256i block_sums(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
@@ -297,6 +313,36 @@ void pair_tiles_linear(const float* X, int64_t M, int64_t K, const uint8_t* W, i
       if (B)
         for (int64_t i = 0; i < M; ++i)
           for (int r = 0; r < 4; ++r) Y[i * N + 4 * t + r] += B[4 * t + r];
+    }
+  });
+}
+
+// The kernels after amx_linear: tiles [t_first, N/4) of 4 output rows (tile_bytes each from W) against the rows of
+// X (M, K) -> Y (M, N), plus the bias B (null: none).
+using TilesKernel = void (*)(const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t tile_bytes,
+                             int64_t t_first, int64_t N, const float* B, float* Y);
+
+// y (..., N) = x @ W.T + bias for x (..., K), w (N/4, _, _) uint8 the format's packed tiles of 4 weight rows and bias
+// float32 (N) or none: amx_linear takes the blocks of 32 output rows it can in format f (none without one), `kernel`
+// the rest (quant.cpp).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t K,
+                         std::optional<AmxFormat> f, TilesKernel kernel);
+
+// The pair-tile formats' packing (int4, Q8_0, MXFP4): `out` (N/4, blocks/2, tile_bytes) checked, then per tile of 4
+// weight rows and pair of blocks, put(o, r, b, row, block) for each of its rows r and the pair's blocks b, o the
+// pair's bytes in out, (row, block) the source's. The bytes move, no value changes.
+template <typename Put>
+void pack_pairs(const at::Tensor& out, int64_t N, int64_t blocks, int64_t tile_bytes, const char* name, Put put) {
+  TORCH_CHECK(N % 4 == 0 && blocks % 2 == 0 && out.is_contiguous() && out.scalar_type() == at::kByte &&
+              out.dim() == 3 && out.size(0) == N / 4 && out.size(1) == blocks / 2 && out.size(2) == tile_bytes,
+              name, ": bad output");
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t pairs = blocks / 2;
+  at::parallel_for(0, N / 4 * pairs, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / pairs, p = i % pairs;
+      for (int r = 0; r < 4; ++r)
+        for (int b = 0; b < 2; ++b) put(dst + i * tile_bytes, r, b, 4 * t + r, 2 * p + b);
     }
   });
 }

@@ -104,13 +104,11 @@ class SharedMemoryGroup {
     return out;
   }
 
-  void barrier() { publish(at::Tensor(), false); }
-
  private:
   // One round: this rank's part into its slot (when it sends one), then everyone's arrival. -> the round's set.
   int64_t publish(const at::Tensor& part, bool sends = true) {
     const int64_t set = ++round_ & 1;
-    if (sends && part.defined() && part.numel() > 0) {
+    if (sends && part.numel() > 0) {
       std::memcpy(base_ + offset(set, rank_), part.data_ptr(), part.numel() * part.element_size());
     }
     __atomic_store_n(arrival(rank_), round_, __ATOMIC_RELEASE);
@@ -187,6 +185,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("broadcast", &SharedMemoryGroup::broadcast, py::arg("tensor"), py::arg("src"),
            py::call_guard<py::gil_scoped_release>())
-      .def("all_gather", &SharedMemoryGroup::all_gather, py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
-      .def("barrier", &SharedMemoryGroup::barrier, py::call_guard<py::gil_scoped_release>());
+      .def("all_gather", &SharedMemoryGroup::all_gather, py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
 }
