@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fastdecode.engine.llm import DTYPES, LLM, Context, kv_budget_tokens
+from fastdecode.engine.llm import KV_DTYPES, LLM, Context, kv_budget_tokens
 from fastdecode.errors import InvalidRequestError, UnsupportedModelError
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
 from fastdecode.parallel.driver import Leader, follow
@@ -44,7 +44,9 @@ class ParallelLLM(LLM):
         self.on_failure = on_failure
         lead = group.leads
         if kw.get("max_seq_len") is None:  # the ranks must agree: the smallest context any rank's KV budget holds
-            budget = kv_budget_tokens(config, DTYPES[kw.get("dtype") or "float32"])
+            # as one process sizes it: the KV cache's dtype (an unknown one is LLM's error to give), --kv-cache-gb
+            kv_dtype = KV_DTYPES.get(kw.get("kv_dtype") or "float16", torch.float16)
+            budget = kv_budget_tokens(config, kv_dtype, kw.get("kv_cache_gb"))
             tokens = torch.tensor([Context.choose(config.max_position_embeddings, None, budget).tokens])
             dist.all_reduce(tokens, dist.ReduceOp.MIN, group=group.pg)
             kw["max_seq_len"] = int(tokens)

@@ -46,13 +46,18 @@ def test_torchrun_generate_tp2_prints_tp1_tokens_once():
 
 def test_torchrun_serve_tp2_answers_requests_at_once_as_one_process_does():
     """`serve --tp 2` (torchrun, as LocalServer launches it): 3 requests at once share the engine's steps, and each
-    reply is the one one process gives it alone."""
+    reply is the one one process gives it alone. With --kv-cache-gb and no --max-seq-len, the ranks agree on the
+    context one process chooses (its float16 KV cache holds 96 tokens of this model, 128 trained)."""
     path = str(checkpoint("llama_uneven").gguf_path)
     prompts = ["abcabcab", "hello there", "xyzzy xyzzy"]
-    one = LLM(path, max_seq_len=96)
+    kv_cache_gb = 96 * 384 / 1e9  # 2 layers x 3 KV heads x 16 x (key, value) x 2 bytes = 384 bytes a token
+    one = LLM(path, kv_cache_gb=kv_cache_gb)
+    assert one.context.tokens == 96
     want = [one.generate(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)).text for p in prompts]
-    args = "--tp 2 --threads 1 --max-seq-len 96 --speculate none --max-batch 4"
+    args = f"--tp 2 --threads 1 --kv-cache-gb {kv_cache_gb!r} --speculate none --max-batch 4"
     with LocalServer(path, serve_args=(args,), startup_timeout_s=120) as server:
+        card = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]
+        assert card["max_model_len"] == one.context.tokens
         def complete(prompt: str) -> str:
             body = {"model": server.model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
             r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
