@@ -103,7 +103,7 @@ def connect(model: str, port: int, key: str | None, serve_args: list[str]) -> tu
         port = free_port()
         err.print(f"[dim]{url} does not serve {model}: starting one on port {port}[/dim]")
     server = LaunchedServer(model, port, key, serve_args,
-                            fastdecode_home() / "logs" / f"serve-{port}.log")
+                            fastdecode_home() / "logs" / f"serve-{port}.log").start()
     try:
         with err.status(f"starting fastdecode serve -m {model}") as status:
             endpoint = server.wait_ready(lambda line: status.update(f"starting fastdecode serve -m {model}: "
