@@ -39,7 +39,7 @@ def main():
 
     args.out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    server = LaunchedServer(args.model, port, KEY, ["--threads", "2"], Path(tempfile.mkdtemp()) / "serve.log")
+    server = LaunchedServer(args.model, port, KEY, ["--threads", "2"], Path(tempfile.mkdtemp()) / "serve.log").start()
     endpoint = server.wait_ready()
     sweep = subprocess.Popen(
         [sys.executable, "-m", "fastdecode", "bench", "--endpoint", endpoint.url, "--model", endpoint.model,

@@ -251,7 +251,7 @@ def started_server(tree: Path, model: str):
 
     log = Path(tempfile.mkdtemp(prefix="schema-suite-")) / "serve.log"
     with contextlib.chdir(tree):  # the child inherits the working directory, hence its package
-        server = LaunchedServer(model, free_port(), KEY, SERVE_ARGS, log)
+        server = LaunchedServer(model, free_port(), KEY, SERVE_ARGS, log).start()
     try:
         print(f"starting the server from {tree} (log: {log}); a first start may build the native kernels",
               file=sys.stderr)
@@ -289,7 +289,7 @@ def main():
             result["fastdecode_file"] = package_file(tree)
             print(f"the server imports {result['fastdecode_file']}", file=sys.stderr)
             server = stack.enter_context(started_server(tree, args.model))
-            base_url, api_key = server.url, KEY
+            base_url, api_key = server.base_url, KEY
         t0 = time.perf_counter()
         done = iter(range(1, len(entries) + 1))
         result["model"], replies = run_suite(

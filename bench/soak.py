@@ -102,7 +102,8 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
     args = parser.parse_args()
 
-    server = LaunchedServer(args.model, free_port(), KEY, args.serve_args.split(), Path(tempfile.mkdtemp()) / "serve.log")
+    log = Path(tempfile.mkdtemp()) / "serve.log"
+    server = LaunchedServer(args.model, free_port(), KEY, args.serve_args.split(), log).start()
     endpoint = server.wait_ready()
     headers = {"Authorization": f"Bearer {KEY}"}
     done: list[tuple[str, str, str]] = []  # (api, prompt, text)

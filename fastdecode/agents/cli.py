@@ -10,15 +10,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from fastdecode.agents.profiles import AGENTS, Agent, ConfigError, Endpoint, read_json, write_json
 from fastdecode.agents.server import LaunchedServer, free_port, port_free, running
+from fastdecode.console import err
 from fastdecode.errors import FastdecodeError
 from fastdecode.loading.catalog import fastdecode_home
 
 AGENT_MODEL = "gemma3-270m"  # the smallest registered model whose context (32k) holds an agent's first request
-err = Console(stderr=True)
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True})
@@ -103,7 +102,7 @@ def connect(model: str, port: int, key: str | None, serve_args: list[str]) -> tu
         port = free_port()
         err.print(f"[dim]{url} does not serve {model}: starting one on port {port}[/dim]")
     server = LaunchedServer(model, port, key, serve_args,
-                            fastdecode_home() / "logs" / f"serve-{port}.log")
+                            fastdecode_home() / "logs" / f"serve-{port}.log").start()
     try:
         with err.status(f"starting fastdecode serve -m {model}") as status:
             endpoint = server.wait_ready(lambda line: status.update(f"starting fastdecode serve -m {model}: "

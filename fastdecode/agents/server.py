@@ -3,6 +3,7 @@ agent's run (in its own session, so the Ctrl-C an agent's interface takes does n
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -46,22 +47,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerStartError(FastdecodeError):
+    """`fastdecode serve` exited, or did not answer in time."""
+
+
+def torchrun(args: list[str]) -> list[str]:
+    """The interpreter's arguments before `-m fastdecode.server`: torchrun's, one rank per `--tp`, when asked for."""
+    words = [w for a in args for w in (a.split("=", 1) if a.startswith("--tp=") else [a])]  # --tp N or --tp=N
+    tp = next((int(words[i + 1]) for i, a in enumerate(words[:-1]) if a == "--tp"), 1)
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp)] if tp > 1 else []
+
+
 class LaunchedServer:
-    """`fastdecode serve` as a child process, its output in `log`."""
+    """`fastdecode serve` on 127.0.0.1:`port` as a child process once started, its output in `log`."""
 
     def __init__(self, model: str, port: int, key: str | None, serve_args: list[str], log: Path):
         self.model, self.port, self.key, self.log = model, port, key, log
-        command = [sys.executable, "-m", "fastdecode.server", "-m", model, "--port", str(port), *serve_args]
+        self.args = ["-m", model, "--host", "127.0.0.1", "--port", str(port), *serve_args]
+        # `python -m fastdecode.server` is `fastdecode serve` on this interpreter and environment; `--tp N` runs it
+        # as N ranks under torchrun (docs/parallel.md)
+        self.command = [sys.executable, *torchrun(self.args), "-m", "fastdecode.server", *self.args]
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> LaunchedServer:
         # The key in the environment, not on the command line where `ps` shows it.
-        env = {**os.environ, "FASTDECODE_API_KEY": key} if key else None
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=env, start_new_session=True)
+        env = {**os.environ, "FASTDECODE_API_KEY": self.key} if self.key else None
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return self
 
     @property
-    def url(self) -> str:
+    def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def command_line(self) -> str:
+        """The command as typed in a shell, for reports and errors (the key is not in it)."""
+        launch = torchrun(self.args)
+        prefix = ["torchrun", *launch[2:], "-m", "fastdecode"] if launch else ["fastdecode"]
+        return shlex.join([*prefix, "serve", *self.args])
 
     def last_line(self) -> str:
         try:
@@ -70,23 +95,27 @@ class LaunchedServer:
             return ""
         return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
-    def wait_ready(self, on_wait=lambda line: None, timeout_s: float = START_TIMEOUT_S) -> Endpoint:
-        """Until the server answers for its model; `on_wait(last log line)` between tries."""
+    def ready(self) -> Endpoint | None:
+        """What wait_ready waits for: the endpoint once the server lists its model, else None."""
+        return running(self.base_url, self.model, self.key)
+
+    def wait_ready(self, on_wait=lambda line: None, timeout_s: float = START_TIMEOUT_S):
+        """`ready()`'s answer, once it has one; `on_wait(last log line)` between tries."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise FastdecodeError(f"fastdecode serve exited with code {self.process.returncode}: "
-                                      f"{self.last_line() or 'no output'} (log: {self.log})")
-            endpoint = running(self.url, self.model, self.key)
-            if endpoint is not None:
-                return endpoint
+                raise ServerStartError(f"`{self.command_line()}` exited with code {self.process.returncode}: "
+                                       f"{self.last_line() or 'no output'} (log: {self.log})")
+            answer = self.ready()
+            if answer:
+                return answer
             on_wait(self.last_line())
-            time.sleep(0.5)
+            time.sleep(0.25)
         self.stop()
-        raise FastdecodeError(f"fastdecode serve did not answer within {timeout_s:.0f} s (log: {self.log})")
+        raise ServerStartError(f"`{self.command_line()}` did not answer within {timeout_s:g} s (log: {self.log})")
 
     def stop(self):
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(30)

@@ -40,14 +40,17 @@ def json_schema_grammar(schema: dict | bool | None, strict: bool = True) -> str:
         raise InvalidRequestError(f"the JSON schema cannot be read: {e}") from None
 
 
-def lark_json(schema: dict | bool | None, strict: bool = True) -> str:
-    """`schema` as an inline `%json` rule of a Lark grammar, its JSON written as JSON_OPTIONS says (see
-    json_schema_grammar for `strict`)."""
+def lark_json(schema: dict | bool | None, strict: bool = True, compact: bool = False) -> str:
+    """`schema` as an inline `%json` rule of a Lark grammar, its JSON written as JSON_OPTIONS says, `{"a": 1}`, or
+    `{"a":1}` when `compact` (see json_schema_grammar for `strict`)."""
     if schema is None or schema is True:
         schema = {"type": "object"} if schema is None else {}
     elif schema is False:
         schema = {"not": {}}
-    return "%json " + json.dumps({**schema, "x-guidance": dict(JSON_OPTIONS, lenient=not strict)})
+    options = dict(JSON_OPTIONS, lenient=not strict)
+    if compact:
+        options.update(item_separator=",", key_separator=":")
+    return "%json " + json.dumps({**schema, "x-guidance": options})
 
 
 def lark_grammar(text: str) -> str:

@@ -5,18 +5,13 @@ import json
 
 import click
 from rich.console import Console
-from rich.progress import track
 from rich.table import Table
 
+from fastdecode.console import log, progress
 from fastdecode.errors import ModelFileError
 from fastdecode.loading.catalog import DEFAULT_MODEL
 
-err = Console(stderr=True)
 QUANTS = ["none", "int8", "int4", "mxfp4", "nvfp4", "gguf"]
-
-
-def progress(description: str):
-    return lambda items: track(items, description=description, console=err, transient=True)
 
 
 def reference_model(model: str, given: str | None) -> str:
@@ -61,7 +56,6 @@ def eval_command(positional_model, model, dtype, quant, group_size, reference, t
     from fastdecode.eval import reference as make_reference
 
     config = EvalConfig(tokens=tokens, window=window, greedy_tokens=greedy_tokens)
-    log = lambda msg: err.print(f"[dim]{msg}[/dim]")  # noqa: E731
     ref = make_reference(reference_model(model, reference), config, threads, progress, log)
     llm = LLM(model, dtype=dtype, quant=quant, group_size=group_size, threads=threads,
               max_seq_len=max(window, 256), log=log)

@@ -18,6 +18,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fastdecode.console import table_console
 from fastdecode.errors import FastdecodeError
 from fastdecode.lab import storage
 from fastdecode.lab.ceiling import decode_ceiling, serve_weight_format
@@ -31,11 +32,6 @@ from fastdecode.lab.runner import MODES, Lab, RunConfig, Target
 from fastdecode.lab.tables import print_run_comparison, print_runs, print_summary
 from fastdecode.lab.tokens import approximate_counter, tokenizer_counter
 from fastdecode.roofline.hardware import THIS_MACHINE
-
-
-def console(stderr: bool = False) -> Console:
-    c = Console(stderr=stderr)
-    return c if c.is_terminal else Console(stderr=stderr, width=max(c.width, 140))
 
 
 class RichProgress:
@@ -197,7 +193,7 @@ def run_bench(o: dict, params: dict) -> int:
                                      o["max_tokens"], o["seed"] or 0), counter)
     prices = build_prices(o["price_input"], o["price_output"], o["prices_file"], o["local_model"] or o["model"])
     ceiling = ceiling_for(o)  # before any server starts: the probe must not share the CPUs with one
-    err = console(stderr=True)
+    err = table_console(140, stderr=True)
     with ExitStack() as stack:
         targets, servers = open_targets(o, b_local, cfg, counter, stack, err)
         env = environment(servers)
@@ -217,7 +213,7 @@ def run_bench(o: dict, params: dict) -> int:
                               for arm, t in targets.items())
     config = {**params, "run_config": asdict(cfg), "items": [i.id for i in items], "token_counter": counter.name}
     run_id = storage.save_run(o["db"], o["label"], list(cfg.modes), target_text, config, env, summary, records)
-    print_summary(console(), f"run {run_id}: {target_text}", summary)
+    print_summary(table_console(140), f"run {run_id}: {target_text}", summary)
     err.print(f"run {run_id} saved to {o['db'] or storage.default_db()}")
     if o["report_path"]:
         err.print(f"report written to {write_report(storage.load_run(o['db'], run_id), o['report_path'])}")
@@ -290,7 +286,7 @@ def open_targets(o: dict, b_local: str | None, cfg: RunConfig, counter, stack: E
 @click.option("--db", type=click.Path(dir_okay=False), default=None)
 def list_command(db):
     """Stored runs, oldest first."""
-    print_runs(console(), storage.list_runs(db))
+    print_runs(table_console(140), storage.list_runs(db))
 
 
 @bench_command.command("show")
@@ -305,7 +301,7 @@ def show_command(run, db, report_path, as_json):
     if as_json:
         click.echo(json.dumps({"run": stored.id, "target": stored.target, **summary}, indent=2))
     else:
-        print_summary(console(), f"run {stored.id}: {stored.target} ({stored.created_at})", summary)
+        print_summary(table_console(140), f"run {stored.id}: {stored.target} ({stored.created_at})", summary)
     if report_path:
         stored.summary = summary
         click.echo(f"report written to {write_report(stored, report_path)}", err=True)
@@ -318,7 +314,7 @@ def show_command(run, db, report_path, as_json):
 def compare_command(run_a, run_b, db):
     """Two stored runs side by side: medians and floors, overall and per category, B/A."""
     a, b = storage.load_run(db, run_a), storage.load_run(db, run_b)
-    print_run_comparison(console(), (a.id, resummarize(a)), (b.id, resummarize(b)))
+    print_run_comparison(table_console(140), (a.id, resummarize(a)), (b.id, resummarize(b)))
 
 
 def resummarize(stored: storage.StoredRun) -> dict:

@@ -3,15 +3,12 @@ from __future__ import annotations
 
 import click
 import torch
-from rich.console import Console
-from rich.progress import track
 
+from fastdecode.console import err, log, progress
 from fastdecode.errors import InvalidRequestError
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
 from fastdecode.quant import WEIGHT_SCHEMES
 from fastdecode.quant.fp4 import BLOCK_SIZE
-
-err = Console(stderr=True)
 
 
 @click.command("quantize")
@@ -32,11 +29,10 @@ def quantize_command(model, scheme, group_size, lm_head, out):
     if group_size is not None and scheme in BLOCK_SIZE and int(group_size) != BLOCK_SIZE[scheme]:
         raise InvalidRequestError(f"{scheme} blocks are {BLOCK_SIZE[scheme]} values by definition; drop --group-size")
     group_size = int(group_size or 32)
-    path = resolve(model, log=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    path = resolve(model, log=log)
     if is_quantized_checkpoint(path):
         raise InvalidRequestError(f"{path} is already quantized; quantize its source model instead")
-    float_model = load_model(path, torch.float32,
-                             lambda items: track(items, description="loading weights", console=err, transient=True))
+    float_model = load_model(path, torch.float32, progress("loading weights"))
     tokenizer = load_tokenizer(path)
     with err.status(f"quantizing to {scheme}"):
         config = save_quantized(float_model, tokenizer, out, scheme, group_size,

@@ -8,6 +8,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from fastdecode.console import table_console
 from fastdecode.errors import FastdecodeError
 from fastdecode.roofline.calc import Result, Scenario, roofline
 from fastdecode.roofline.hardware import (THIS_MACHINE, Hardware, get_hardware, load_catalog, this_machine,
@@ -148,11 +149,6 @@ def _known_format(fmt: str) -> bool:
 
 
 # ---- output ----------------------------------------------------------------------------------------------------
-def _console() -> Console:
-    console = Console()
-    return console if console.is_terminal else Console(width=max(console.width, 130))
-
-
 def _print_result(console: Console, r: Result, model, hw: Hardware) -> None:
     t = Table(title=f"roofline: {model.name} on {hw.label}", show_header=False, title_justify="left")
     t.add_column(style="bold")
@@ -273,7 +269,7 @@ def roofline_command(model_name, hw_name, compare, measured_path, plot_path, as_
             doc["measured"] = rows
         click.echo(json.dumps(doc, indent=2))
         return
-    console = _console()
+    console = table_console(130)
     if compare:
         _print_routes(console, routes)
     else:
@@ -309,7 +305,7 @@ def probe_command(threads, size_mb, large_mb, repeats, as_json):
         t.add_column(col, justify="right")
     for part in (result["large"], result["working_set"]):
         t.add_row(_bytes(part["bytes"]), f"{part['gb_s']:.1f}", f"{part['min']:.1f}", f"{part['max']:.1f}")
-    console = _console()
+    console = table_console(130)
     console.print(t)
     for line in describe_peaks(result["matmul_tflops"]):  # (library GEMMs: best of 3, 1024 x 1024)
         console.print(line)

@@ -83,7 +83,7 @@ def test_launch_starts_a_server_runs_the_agent_and_stops_the_server(smollm2_path
 @pytest.fixture(scope="module")
 def running_server(smollm2_path, tmp_path_factory):
     server = LaunchedServer(str(smollm2_path), free_port(), None, ["--threads", "2"],
-                            tmp_path_factory.mktemp("serve") / "serve.log")
+                            tmp_path_factory.mktemp("serve") / "serve.log").start()
     try:
         server.wait_ready()
         yield server

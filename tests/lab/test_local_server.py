@@ -8,7 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from fastdecode.cli import main
-from fastdecode.lab.local_server import LocalServer, ServerStartError
+from fastdecode.agents.server import ServerStartError
+from fastdecode.lab.local_server import LocalServer
 
 
 def test_server_is_waited_for_then_stopped(tmp_path):

@@ -52,16 +52,6 @@ def text_until(rule: str, text: str, end: str, added_tokens: Mapping[str, int]) 
     return f"{rule}[lazy]: {text} {literal(end)}"
 
 
-def json_rule(rule: str, schema: dict | None, strict: bool, compact: bool = False) -> str:
-    """Rule `rule`: JSON valid against `schema`, written `{"a": 1, "b": 2}`, or `{"a":1,"b":2}` when `compact`."""
-    value = lark_json(schema, strict)
-    if compact:
-        spec = json.loads(value.removeprefix("%json "))
-        spec["x-guidance"].update(item_separator=",", key_separator=":")
-        value = "%json " + json.dumps(spec)
-    return f"{rule}: {value}"
-
-
 def opener_grammar(opener: str, body: str, separator: str, text: str, added_tokens: Mapping[str, int], *,
                    forced: bool, parallel: bool) -> list[str]:
     """Rules of an `answer` made of calls that each open with the marker `opener` and go on with the rule `body`,
@@ -85,5 +75,5 @@ def tool_rules(tools: dict[str, dict | None], strict: frozenset[str], frame, com
         raise ValueError("a call grammar needs a tool to call")
     lines = ["tool: " + " | ".join(f"tool_{i}" for i in range(len(tools)))]
     for i, (name, schema) in enumerate(tools.items()):
-        lines += [f"tool_{i}: {frame(name, f'args_{i}')}", json_rule(f"args_{i}", schema, name in strict, compact)]
+        lines += [f"tool_{i}: {frame(name, f'args_{i}')}", f"args_{i}: {lark_json(schema, name in strict, compact)}"]
     return lines

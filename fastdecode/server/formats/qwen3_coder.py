@@ -25,8 +25,9 @@ import re
 
 import llguidance
 
+from fastdecode.engine.grammar import lark_json
 from fastdecode.server.formats.base import ToolParser, json_problem, new_call
-from fastdecode.server.formats.lark import ANY, json_rule, literal, marker, opener_grammar, text_terminal, text_until
+from fastdecode.server.formats.lark import ANY, literal, marker, opener_grammar, text_terminal, text_until
 from fastdecode.server.formats.reasoning import reasoning_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -111,7 +112,7 @@ def value_rules(rule: str, schema: dict | None, strict: bool) -> tuple[str, list
         words = ["true", "false", "True", "False"] + (["null"] if "null" in (schema.get("type") or ()) else [])
         return f"{rule} {close}", [f"{rule}: " + " | ".join(map(literal, words))]
     if kind not in (None, "string"):
-        return f"{rule} {close}", [json_rule(rule, schema, strict)]
+        return f"{rule} {close}", [f"{rule}: {lark_json(schema, strict)}"]
     choices = [v for v in schema.get("enum", [schema["const"]] if "const" in schema else []) if isinstance(v, str)]
     if choices:  # as raw text
         return f"{rule} {close}", [f"{rule}: " + " | ".join(map(literal, choices))]
