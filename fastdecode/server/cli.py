@@ -6,7 +6,8 @@ import logging
 
 import click
 
-from fastdecode.engine.cli import build_llm, err, model_kwargs, model_options
+from fastdecode.console import err, log
+from fastdecode.engine.cli import build_llm, model_kwargs, model_options
 from fastdecode.errors import FastdecodeError
 from fastdecode.cluster.routing import POLICIES
 from fastdecode.server.banner import banner_lines
@@ -121,7 +122,7 @@ def start_cluster(model: dict, replicas: int, min_replicas: int | None, max_repl
     model = dict(model, threads=model.get("threads") or max(1, (os.cpu_count() or 1) // most))
     config = ClusterConfig(model, replicas=min_replicas or replicas, min_replicas=min_replicas,
                            max_replicas=max_replicas, max_batch=model.pop("max_batch"), routing=routing)
-    return LocalCluster(config, log=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    return LocalCluster(config, log=log)
 
 
 def ceiling(llm) -> dict | None:
