@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -28,23 +29,30 @@ def load_hf_dir(path, dtype: torch.dtype = torch.float32, progress=None):
     expert, MXFP4 ones as modules (loading/gpt_oss.py)."""
     path = Path(path)
     config = read_config(path)
+
+    def read(f, key, name):
+        t = f.get_tensor(key)
+        return t.to(dtype) if t.is_floating_point() else t  # MXFP4 blocks stay bytes
+
+    weights = dict(safetensors_weights(path, read, progress))
+    if config.family == "gpt_oss":
+        weights = expert_modules(weights)
+    return config, weights
+
+
+def safetensors_weights(path: Path, read, progress=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, read(f, key, name)) for each weight in the folder's *.safetensors files, `f` the open file: names
+    stripped of their `model.` prefix, the vision tower's weights skipped, an unreadable file a ModelFileError."""
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise ModelFileError(f"{path} has no *.safetensors files")
-    if progress is not None:
-        shards = progress(shards)
-    weights = {}
-    for shard in shards:
+    for shard in progress(shards) if progress is not None else shards:
         try:
             with safe_open(shard, framework="pt") as f:
                 for key in f.keys():
                     name = next((key[len(p):] for p in PREFIXES if key.startswith(p)), key)
                     if name.startswith(("vision_tower", "multi_modal_projector")):
                         continue
-                    t = f.get_tensor(key)
-                    weights[name] = t.to(dtype) if t.is_floating_point() else t  # MXFP4 blocks stay bytes
+                    yield name, read(f, key, name)
         except (OSError, RuntimeError, SafetensorError) as e:  # SafetensorError: truncated or not safetensors
             raise ModelFileError(f"cannot read {shard}: {e}") from None
-    if config.family == "gpt_oss":
-        weights = expert_modules(weights)
-    return config, weights

@@ -16,7 +16,6 @@ from typing import Iterator
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from safetensors import SafetensorError, safe_open
 
 from fastdecode.config import ModelConfig
 from fastdecode.errors import ModelFileError, UnsupportedModelError
@@ -24,7 +23,7 @@ from fastdecode.loading.build import skip_init
 from fastdecode.loading.gguf_file import GGUFFile, GGUFTensor
 from fastdecode.loading.gguf_loader import dequantize_tensor, float_tensor as gguf_float, gguf_config, hf_name
 from fastdecode.loading.gguf_native import load_gguf_native
-from fastdecode.loading.hf_loader import PREFIXES, read_config
+from fastdecode.loading.hf_loader import read_config, safetensors_weights
 from fastdecode.models import model_class
 from fastdecode.parallel.plan import ShardPlan
 from fastdecode.parallel.shard import shard_model
@@ -83,26 +82,17 @@ def _cut(plan: ShardPlan, name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def safetensors_shard(path: Path, plan: ShardPlan, progress=None) -> Iterator[tuple[str, torch.Tensor]]:
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        raise ModelFileError(f"{path} has no *.safetensors files")
-    for shard in progress(shards) if progress is not None else shards:
-        try:
-            with safe_open(shard, framework="pt") as f:
-                for key in f.keys():
-                    name = next((key[len(p):] for p in PREFIXES if key.startswith(p)), key)
-                    if name.startswith(("vision_tower", "multi_modal_projector")):
-                        continue
-                    cut = plan.slice_of(name)
-                    if cut is None:
-                        tensor = f.get_tensor(key)
-                    else:
-                        dim, lo, hi = cut
-                        part = f.get_slice(key)
-                        tensor = part[lo:hi] if dim == 0 else part[:, lo:hi]
-                    yield name, _cut(plan, name, tensor)
-        except (OSError, RuntimeError, SafetensorError) as e:
-            raise ModelFileError(f"cannot read {shard}: {e}") from None
+    def read(f, key, name):
+        cut = plan.slice_of(name)
+        if cut is None:
+            tensor = f.get_tensor(key)
+        else:
+            dim, lo, hi = cut
+            part = f.get_slice(key)
+            tensor = part[lo:hi] if dim == 0 else part[:, lo:hi]
+        return _cut(plan, name, tensor)
+
+    return safetensors_weights(path, read, progress)
 
 
 def block_slice(t: GGUFTensor, dim: int, lo: int, hi: int) -> GGUFTensor:
