@@ -20,6 +20,12 @@ def resolve_quant(path, quant: str | None) -> str | None:
     return None if quant == "none" else quant
 
 
+def check_gguf_quant(path: Path, quant: str | None) -> None:
+    if quant == "gguf" and path.is_dir():
+        raise UnsupportedModelError(f"--quant gguf keeps a GGUF file's own quantized weights; {path} is not a GGUF "
+                                    "file")
+
+
 def load_model(path, dtype: torch.dtype = torch.float32, progress=None, quant: str | None = None):
     """Builds the model from a GGUF file, a Hugging Face directory or a quantized checkpoint that `fastdecode
     quantize` wrote; float weights held in `dtype`. quant "gguf" keeps a GGUF file's matrices in their own formats
@@ -33,9 +39,7 @@ def load_model(path, dtype: torch.dtype = torch.float32, progress=None, quant: s
     freq_factors = None
     if quant == "gguf" and path.is_file():
         return load_gguf_native(path, dtype, progress)
-    if quant == "gguf" and path.is_dir():
-        raise UnsupportedModelError(f"--quant gguf keeps a GGUF file's own quantized weights; {path} is not a GGUF "
-                                    "file")
+    check_gguf_quant(path, quant)
     if is_quantized_checkpoint(path):
         return load_quantized(path, dtype)
     if path.is_dir():

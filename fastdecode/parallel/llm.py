@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fastdecode.engine.llm import KV_DTYPES, LLM, Context, kv_budget_tokens
-from fastdecode.errors import InvalidRequestError, UnsupportedModelError
+from fastdecode.errors import InvalidRequestError
 from fastdecode.loading.catalog import DEFAULT_MODEL, resolve
 from fastdecode.parallel.driver import Leader, follow
 from fastdecode.parallel.group import DEFAULT_TIMEOUT_S, init_group
@@ -32,10 +32,7 @@ class ParallelLLM(LLM):
         the blocks (parallel/load.py). `on_failure(error)`: see Leader."""
         # A model that cannot be split fails here, before the ranks meet (and without torchrun too).
         path = resolve(model)
-        if quant == "gguf" and not path.is_file():
-            raise UnsupportedModelError(f"--quant gguf keeps a GGUF file's own quantized weights; {path} is not a "
-                                        "GGUF file")
-        config = checkpoint_config(path)[0]
+        config = checkpoint_config(path, quant)[0]
         ShardPlan.build(config, 0, tp)
         if speculate and speculate.partition(":")[0] in HEADS:
             raise InvalidRequestError("--speculate eagle reads the target's embedding, which --tp splits: use "

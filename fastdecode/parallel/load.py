@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from fastdecode.config import ModelConfig
 from fastdecode.errors import ModelFileError, UnsupportedModelError
+from fastdecode.loading import check_gguf_quant
 from fastdecode.loading.build import skip_init
 from fastdecode.loading.gguf_file import GGUFFile, GGUFTensor
 from fastdecode.loading.gguf_loader import dequantize_tensor, float_tensor as gguf_float, gguf_config, hf_name
@@ -29,10 +30,11 @@ from fastdecode.parallel.plan import ShardPlan
 from fastdecode.parallel.shard import shard_model
 
 
-def checkpoint_config(path: Path) -> tuple[ModelConfig, GGUFFile | None]:
+def checkpoint_config(path: Path, quant: str | None = None) -> tuple[ModelConfig, GGUFFile | None]:
     """The config of a Hugging Face directory or GGUF file (and the opened GGUF file), without reading weights."""
     from fastdecode.quant.checkpoint import is_quantized_checkpoint
 
+    check_gguf_quant(path, quant)
     if is_quantized_checkpoint(path):
         raise UnsupportedModelError(f"{path} is a quantized checkpoint, which --tp cannot shard yet: give the float "
                                     "model and --quant")
@@ -49,12 +51,9 @@ def load_shard(path, rank: int, world: int, dtype: torch.dtype = torch.float32, 
     """A Hugging Face directory or GGUF file -> this rank's shard of the model (see shard_model). quant "gguf": a
     GGUF file's matrices in their own formats, cut block by block; otherwise float weights."""
     path = Path(path)
-    config, f = checkpoint_config(path)
+    config, f = checkpoint_config(path, quant)
     plan = ShardPlan.build(config, rank, world)  # SplitError before any weight is read
     if quant == "gguf":
-        if f is None:
-            raise UnsupportedModelError(f"--quant gguf keeps a GGUF file's own quantized weights; {path} is not a "
-                                        "GGUF file")
         return load_gguf_native(path, dtype, progress, shard=GGUFShard(plan))
     with skip_init(dtype), torch.device("meta"):
         model = model_class(config.family)(config)
