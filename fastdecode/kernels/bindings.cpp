@@ -59,7 +59,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp4_pack", &fastdecode::fp4_pack, py::call_guard<py::gil_scoped_release>(),
         "MXFP4 blocks (code bytes, E8M0 scale bytes) -> fp4_linear's packed tiles, written into out");
   using fastdecode::ModelShape;
-  py::class_<ModelShape>(m, "ModelShape", "forward_batch's model-wide arguments (model_shape.h), set by name")
+  // module_local: a benchmark may load a second build of this module (another revision's) beside it
+  py::class_<ModelShape>(m, "ModelShape", py::module_local(),
+                         "forward_batch's model-wide arguments (model_shape.h), set by name")
       .def(py::init<>())
       .def_readwrite("windows", &ModelShape::windows)
       .def_readwrite("heads", &ModelShape::heads)
