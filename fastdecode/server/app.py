@@ -26,7 +26,7 @@ from fastdecode.server.metrics import CountRequests, Metrics
 from fastdecode.server.prepare import EngineRequest, ServedModel, chat_request, completion_request
 from fastdecode.server.protocol import ChatFormatter, TextFormatter
 from fastdecode.server.responses.routes import responses_routes
-from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler
+from fastdecode.server.scheduler import QueueFull, QueueTimeout, Run, Scheduler, ShuttingDown
 from fastdecode.server.schemas import ChatCompletionRequest, CompletionRequest
 from fastdecode.server.security import Guard
 
@@ -120,6 +120,8 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
             raise ApiError(429, f"The server is busy: {scheduler.waiting} requests are waiting for the engine. "
                                 f"Retry after {e.retry_after} s.", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from None
+        except ShuttingDown:
+            raise shutting_down() from None
         chunks = run.chunks()
         handed_off = False
         try:
@@ -127,11 +129,15 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
                 first = PENDING
             else:
                 first = await until_disconnected(request, anext(chunks, None))
+            if run.end == "shutdown":
+                raise shutting_down()
             if stream:
                 handed_off = True
                 return StreamingResponse(events(run, fmt, first, chunks, tenant), media_type="text/event-stream",
                                          headers=SSE_HEADERS)
             completion = await until_disconnected(request, collect(fmt, first, chunks))
+            if run.end == "shutdown":
+                raise shutting_down()
             return JSONResponse(fmt.response(completion, run.end, run.queue_s))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
@@ -171,6 +177,9 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
                     yield fmt.sse(c)
                 fmt.completion = chunk.completion or fmt.completion
                 chunk = await anext(chunks, None)
+            if run.end == "shutdown":
+                yield fmt.sse_error(503, SHUTTING_DOWN)
+                return
             for c in fmt.finish(fmt.completion, run.end, run.queue_s):
                 yield fmt.sse(c)
             for c in fmt.sse_end():
@@ -211,6 +220,13 @@ def create_app(llm, config: ServerConfig | None = None, ceiling: dict | None = N
     app.include_router(responses_routes(served, answer))  # OpenAI's Responses API, stateless
     app.include_router(dashboard_routes(recorder))  # the live dashboard at /
     return app
+
+
+SHUTTING_DOWN = "the server is shutting down: retry against it once it is back"
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, SHUTTING_DOWN, code="shutting_down", headers={"Retry-After": "5"})
 
 
 def cache_salt(tenant: str | None, salt: str | None, shared: bool = False) -> str:

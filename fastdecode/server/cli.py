@@ -14,6 +14,7 @@ from fastdecode.server.banner import banner_lines
 from fastdecode.server.config import ServerConfig, key_name
 from fastdecode.server.connections import GuardedH11Protocol, connection_limits, quiet_connection_logs
 from fastdecode.server.security import is_loopback
+from fastdecode.server.stopping import run_server
 
 
 @click.command()
@@ -64,8 +65,6 @@ def serve(host, port, api_keys, api_keys_file, share_prefix_cache, served_model_
           max_body_bytes, max_body_values, max_connections, header_timeout, body_timeout, expose_speculation_stats,
           replicas, min_replicas, max_replicas, routing, log_level, **engine):
     """Serve MODEL over an OpenAI-compatible HTTP API (chat and text completions, tools, streaming)."""
-    import uvicorn
-
     from fastdecode.server.app import create_app
 
     keys = {key: key_name(key) for key in api_keys if key}
@@ -100,8 +99,9 @@ def serve(host, port, api_keys, api_keys_file, share_prefix_cache, served_model_
     quiet_connection_logs()
     limits = connection_limits(config.max_connections, config.header_timeout_s, config.body_timeout_s)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                    backlog=limits.backlog, http=functools.partial(GuardedH11Protocol, limits=limits))
+        run_server(app, app.state.scheduler.close, host=host, port=port, log_level=log_level,
+                   timeout_graceful_shutdown=5, backlog=limits.backlog,
+                   http=functools.partial(GuardedH11Protocol, limits=limits))
     finally:
         if cluster is not None:
             cluster.stop()

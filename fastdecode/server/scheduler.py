@@ -4,7 +4,8 @@ batches them, so `slots` is its batch size), the rest waiting in arrival order, 
 
 No thread waits on a request: a request is read through `LLM.astream`, whose chunks the engine's thread hands to the
 event loop as it posts them. A request whose client went away, or whose time ran out, leaves the queue or has its
-stream closed, which ends it in the engine at its next step, even mid-prefill.
+stream closed, which ends it in the engine at its next step, even mid-prefill. When the server stops (`close`), every
+request ends at once, waiting or generating, and new ones are refused.
 """
 from __future__ import annotations
 
@@ -27,10 +28,15 @@ class QueueTimeout(Exception):
     """The request's time limit passed before the engine reached it."""
 
 
+class ShuttingDown(Exception):
+    """The server is stopping."""
+
+
 @dataclass(eq=False)
 class Run:
     """One request's passage through the engine. `open_stream()` -> its chunks (an async iterator with `close()`),
-    opened once a slot is free. `end`: "done", "cancelled", "timeout" or "error", set once `chunks()` has ended."""
+    opened once a slot is free. `end`: "done", "cancelled", "timeout", "shutdown" or "error", set once `chunks()` has
+    ended."""
     open_stream: Callable[[], AsyncIterator[StreamChunk]]
     scheduler: Scheduler
     deadline: float  # time.monotonic() after which generation stops
@@ -40,6 +46,7 @@ class Run:
     stream: AsyncIterator[StreamChunk] | None = None
     cancelled: bool = False
     expired: bool = False  # the time limit passed
+    shut: bool = False  # the server is stopping
     timer: asyncio.TimerHandle | None = None
     queued: bool = True  # counted in the scheduler's waiting
     holding: bool = False  # holds one of the scheduler's slots
@@ -57,6 +64,10 @@ class Run:
         self.expired = True
         self._stop()
 
+    def shut_down(self):
+        self.shut = True
+        self.cancel()
+
     def _stop(self):
         if self.stream is not None:
             self.stream.close()
@@ -68,7 +79,7 @@ class Run:
         try:
             await self.scheduler.take_slot(self)
             if self.cancelled:
-                self.end = "cancelled"
+                self.end = "shutdown" if self.shut else "cancelled"
                 return
             self.stream = self.open_stream()
             # The limit also ends a prefill, through the stream's close: a stream with no token yet has no chunk to
@@ -81,7 +92,8 @@ class Run:
                 yield chunk
                 if chunk.completion is not None:
                     break
-            self.end = "timeout" if self.expired else "cancelled" if self.cancelled else "done"
+            self.end = ("shutdown" if self.shut else "timeout" if self.expired else "cancelled" if self.cancelled
+                        else "done")
         except Exception:  # (not a reader that was cancelled or closed: `end` stays None for it)
             self.end = "error"
             raise
@@ -102,14 +114,28 @@ class Scheduler:
         self.busy = 0  # slots generating
         self.free: asyncio.Semaphore | None = None  # made on the event loop, at the first request
         self.service_s = 1.0  # moving average of a request's engine time, for Retry-After
+        self.runs: set[Run] = set()  # submitted and not given back
+        self.closing = False
 
     def submit(self, open_stream: Callable[[], AsyncIterator[StreamChunk]], timeout_s: float) -> Run:
-        """Queues a request (call on the event loop); raises QueueFull when `max_queue` requests already wait."""
+        """Queues a request (call on the event loop); raises QueueFull when `max_queue` requests already wait, and
+        ShuttingDown once the server is stopping."""
+        if self.closing:
+            raise ShuttingDown()
         if self.waiting >= self.max_queue + self.slots - self.busy:  # idle slots take one each at once
             raise QueueFull(max(1, math.ceil(self.service_s * (self.waiting + 1) / self.slots)))
         self.waiting += 1
         self._gauges()
-        return Run(open_stream, self, time.monotonic() + timeout_s)
+        run = Run(open_stream, self, time.monotonic() + timeout_s)
+        self.runs.add(run)
+        return run
+
+    def close(self):
+        """The server is stopping (call on the event loop): every request ends now, waiting or generating, rather
+        than when the server's grace period runs out and its tasks are cancelled (500s, a traceback each)."""
+        self.closing = True
+        for run in list(self.runs):  # (the slots the generating ones give back wake the waiting ones, in turn)
+            run.shut_down()
 
     async def take_slot(self, run: Run):
         if self.free is None:
@@ -140,6 +166,7 @@ class Scheduler:
 
     def give_back(self, run: Run):
         """The run is over: out of the queue, and its slot (if it held one) free for the next."""
+        self.runs.discard(run)
         self.leave_queue(run)
         if run.holding:
             run.holding = False

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from fastdecode.engine.llm import StreamChunk
-from fastdecode.server.scheduler import QueueFull, QueueTimeout, Scheduler
+from fastdecode.server.scheduler import QueueFull, QueueTimeout, Scheduler, ShuttingDown
 
 
 class Stream:
@@ -100,6 +100,24 @@ def test_cancel_closes_the_stream_and_skips_a_queued_request():
     end, queued_end, streamed, skipped, result, log = asyncio.run(main())
     assert end == "cancelled" and queued_end == "cancelled" and streamed == 0 and skipped == []
     assert result == ["after0", "after1"] and ("closed", "long") in log and ("start", "queued") not in log
+
+
+def test_close_ends_every_request_at_once_and_refuses_new_ones():
+    async def main():
+        scheduler, log = Scheduler(8, slots=2), []
+        runs = [scheduler.submit(tokens(name, 1000, log, 0.01), 600) for name in "abcd"]  # a, b generate; c, d wait
+        readers = [asyncio.ensure_future(drain(r)) for r in runs]
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        scheduler.close()
+        texts = await asyncio.wait_for(asyncio.gather(*readers), 5)
+        with pytest.raises(ShuttingDown):
+            scheduler.submit(tokens("e", 1, log), 60)
+        return time.monotonic() - started, texts, [r.end for r in runs], (scheduler.waiting, scheduler.busy), log
+    seconds, texts, ends, counts, log = asyncio.run(main())
+    assert seconds < 1 and ends == ["shutdown"] * 4 and counts == (0, 0)
+    assert texts[2:] == [[], []] and 0 < len(texts[0]) < 1000
+    assert ("closed", "a") in log and ("start", "c") not in log and ("start", "e") not in log
 
 
 def test_a_reader_that_is_cancelled_frees_its_slot_at_once():
