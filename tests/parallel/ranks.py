@@ -3,7 +3,6 @@ takes seconds to import."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -11,15 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fastdecode.agents.server import free_port  # (httpx, no transformers)
 from fastdecode.parallel.group import init_group
 
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(rank: int, port: int, fn, args, out: str):

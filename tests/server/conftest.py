@@ -2,7 +2,6 @@
 per session and stopped at its end. Tests talk to them over HTTP only."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -14,15 +13,11 @@ import httpx
 import pytest
 import uvicorn
 
+from fastdecode.agents.server import free_port
+
 API_KEY = "test-key"
 STARTUP_S = 600  # the first start may build the native kernels
 ENGINE = ["--quant", "int4", "--threads", "2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
