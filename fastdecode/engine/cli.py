@@ -20,6 +20,7 @@ from fastdecode.engine.sampling import SamplingParams
 from fastdecode.errors import FastdecodeError
 from fastdecode.loading.catalog import CATALOG, DEFAULT_MODEL, cached_path, fastdecode_home, pull
 
+
 def model_options(f):
     options = [
         click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,

@@ -12,8 +12,7 @@ import asyncio
 from typing import Callable
 
 import uvicorn
-
-STARTUP_FAILURE = 3  # uvicorn.run's exit status when the server could not start (a port in use)
+from uvicorn.config import STARTUP_FAILURE  # uvicorn.run's exit status when the server could not start
 
 
 class StoppingServer(uvicorn.Server):
